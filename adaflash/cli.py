@@ -1,0 +1,249 @@
+"""`adaflash` command line. Expected failures (`AdaFlashError`) print one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from adaflash.errors import AdaFlashError, InputError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+drafter_app = typer.Typer(no_args_is_help=True, help="Create and inspect drafters.")
+app.add_typer(drafter_app, name="drafter")
+console = Console()
+err_console = Console(stderr=True)
+
+TargetOpt = Annotated[
+    str, typer.Option("--target", "-t", help="smollm2 | tiny | path to an HF Llama/Qwen3 checkpoint")
+]
+
+
+def _setup_torch() -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("ADAFLASH_THREADS", os.cpu_count() or 2)))
+
+
+def _load(target: str, drafter: Path | None):
+    from adaflash.models.checkpoint import load_drafter
+    from adaflash.models.targets import load_target
+
+    _setup_torch()
+    tgt = load_target(target)
+    bundle = None
+    if drafter is not None:
+        c = tgt.config
+        bundle = load_drafter(
+            drafter,
+            target_fingerprint=tgt.fingerprint,
+            target_hidden_size=c.hidden_size,
+            target_vocab_size=c.vocab_size,
+            target_num_layers=c.num_layers,
+        )
+    return tgt, bundle
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="user message (chat template applied)")],
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path | None, typer.Option(help="drafter directory (DFlash format)")] = None,
+    method: Annotated[str, typer.Option(help="ar | dflash | adaflash")] = "adaflash",
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option()] = 128,
+    gamma: Annotated[float, typer.Option(help="scales the verify length k̂ = ⌊γ·â·k⌋")] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Generate a completion with speculative decoding and print it with its stats."""
+    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+
+    if method != "ar" and drafter is None:
+        raise InputError(f"method {method!r} needs --drafter DIR")
+    tgt, bundle = _load(target, drafter)
+    ids = tgt.tokenizer.chat_prompt(prompt)
+    cfg = DecodeConfig(method, max_new_tokens, temperature, gamma, seed)
+    res = SpeculativeDecoder(tgt, bundle).generate([ids], cfg)[0]
+    text = tgt.tokenizer.decode(res.token_ids)
+    stats = {
+        "method": method,
+        "tau": round(res.tau, 4),
+        "mean_verify_len": round(res.mean_verify_len, 3),
+        "rounds": len(res.rounds),
+        "new_tokens": len(res.token_ids),
+        "tokens_per_second": round(len(res.token_ids) / res.seconds, 2),
+        "finish_reason": res.finish_reason,
+    }
+    if as_json:
+        print(json.dumps({"text": text, "token_ids": res.token_ids, **stats}))
+        return
+    console.print(text, markup=False, highlight=False)
+    console.print(" ".join(f"[bold]{k}[/]={v}" for k, v in stats.items()), style="dim")
+
+
+@drafter_app.command("bootstrap")
+def bootstrap(
+    out: Annotated[Path, typer.Option(help="drafter directory to write (resumed if it exists)")],
+    target: TargetOpt = "smollm2",
+    budget_minutes: Annotated[float, typer.Option(help="wall-clock budget, data generation included")] = 30.0,
+    data_fraction: Annotated[float, typer.Option(help="max share of the budget for new responses")] = 0.5,
+    block_size: Annotated[int, typer.Option()] = 16,
+    layers: Annotated[int, typer.Option(help="drafter layers")] = 3,
+    loss: Annotated[str, typer.Option(help="ce | fkl | opd")] = "fkl",
+    max_new_tokens: Annotated[int, typer.Option(help="response length cap of the training data")] = 256,
+    eval_per_domain: Annotated[int, typer.Option(help="held-out prompts per domain for τ")] = 40,
+    data_dir: Annotated[Path | None, typer.Option(help="prompt sets (default ../shared/data)")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Train the offline "DFlash" drafter + length head on the target's own greedy responses."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from adaflash.training.bootstrap import BootstrapConfig, BootstrapTrainer
+
+    if loss not in ("ce", "fkl", "opd"):
+        raise InputError(f"unknown loss {loss!r}: choose ce, fkl or opd")
+    if budget_minutes <= 0:
+        raise InputError("--budget-minutes must be > 0")
+    tgt, _ = _load(target, None)
+    cfg = BootstrapConfig(
+        budget_minutes=budget_minutes,
+        data_fraction=data_fraction,
+        block_size=block_size,
+        num_layers=layers,
+        loss=loss,
+        max_new_tokens=max_new_tokens,
+        eval_per_domain=eval_per_domain,
+        seed=seed,
+    )
+    total_s = budget_minutes * 60
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+    ) as progress:
+        task = progress.add_task("bootstrap", total=total_s, info="")
+        import time
+
+        t0 = time.time()
+
+        def on(kind: str, info: dict) -> None:
+            desc = {
+                "generate": "generating responses",
+                "step": "training",
+                "curve": "training",
+                "evaluate": "evaluating",
+                "train_start": "training",
+            }.get(kind, kind)
+            text = ""
+            if kind == "generate":
+                text = f"{info['split']} +{info['prompts']} prompts, {info['tokens']} tokens"
+            elif kind == "step":
+                text = f"step {info['step']} loss {info['loss']:.3f} head_mse {info['head_mse']:.3f}"
+            elif kind == "curve":
+                text = f"held-out τ {info['dflash_tau']:.2f} after {info['train_minutes']} min"
+                err_console.print(
+                    f"  τ(dflash, subset) = {info['dflash_tau']:.3f} at {info['train_minutes']} train-min"
+                )
+            progress.update(
+                task,
+                completed=min(time.time() - t0, total_s),
+                description=desc,
+                info=text or progress.tasks[0].fields["info"],
+            )
+
+        metrics = BootstrapTrainer(tgt, out, cfg, data_dir, on).run()
+    _print_bootstrap(metrics, out)
+
+
+def _print_bootstrap(metrics: dict, out: Path) -> None:
+    t = Table(title=f"held-out acceptance — {out}")
+    for col in ("domain", "n", "τ dflash", "τ adaflash", "mean k̂", "|â−a*|"):
+        t.add_column(col, justify="right")
+    for dom, row in metrics["heldout"].items():
+        t.add_row(
+            dom,
+            str(row["n_sequences"]),
+            f"{row['dflash_tau']:.3f}",
+            f"{row.get('adaflash_tau', float('nan')):.3f}",
+            f"{row.get('adaflash_mean_verify_len', float('nan')):.2f}",
+            f"{row.get('length_head_mae', float('nan')):.3f}",
+        )
+    console.print(t)
+    console.print(
+        f"trained {metrics['train_minutes']} min on {metrics['train_sequences']} sequences "
+        f"({metrics['train_tokens']} tokens); metrics in {out / 'bootstrap_metrics.json'}"
+    )
+
+
+@drafter_app.command("info")
+def drafter_info(path: Annotated[Path, typer.Argument(help="drafter directory")]) -> None:
+    """Show a drafter's config and metadata."""
+    from adaflash.models.checkpoint import load_drafter
+
+    b = load_drafter(path)
+    c = b.config
+    console.print_json(
+        json.dumps(
+            {
+                "path": str(path),
+                "block_size": c.block_size,
+                "layers": c.num_layers,
+                "target_layer_ids": list(c.target_layer_ids),
+                "mask_token_id": c.mask_token_id,
+                "length_head": b.length_head is not None,
+                **b.meta.__dict__,
+            }
+        )
+    )
+
+
+@app.command()
+def demo(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path, typer.Option(help="drafter directory (bootstrapped if missing)")] = Path(
+        ".cache/demo-drafter"
+    ),
+    budget_minutes: Annotated[float, typer.Option(help="bootstrap budget when no drafter exists")] = 12.0,
+    prompts_per_domain: Annotated[int, typer.Option()] = 3,
+    max_new_tokens: Annotated[int, typer.Option()] = 96,
+) -> None:
+    """Bootstrap a drafter if none exists, then compare ar / dflash / adaflash on held-out prompts."""
+    from adaflash.demo import run_comparison
+
+    if not (drafter / "config.json").exists():
+        console.print(f"[bold]No drafter at {drafter}: bootstrapping one ({budget_minutes} min budget)[/]")
+        bootstrap(out=drafter, target=target, budget_minutes=budget_minutes, eval_per_domain=10)
+    tgt, bundle = _load(target, drafter)
+    run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except AdaFlashError as e:
+        print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as e:  # click's usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Acceptance of a drafter on held-out greedy target responses, by simulated decoding.
+
+At temperature 0, speculative decoding reproduces the target's greedy continuation exactly, so
+its rounds can be replayed on a cached continuation: start at the first response token, draft a
+block, accept the longest prefix that matches the continuation, jump past it (plus the bonus
+token), repeat. This gives the same τ as running the decoder, without a target forward per round.
+Both methods walk their own trajectory: `dflash` verifies every block in full; `adaflash` only
+the k̂ positions its length head keeps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from adaflash.models.drafter import Drafter
+from adaflash.models.length_head import LengthHead, acceptance_label, verify_lengths
+from adaflash.models.transformer import TargetModel
+from adaflash.training.blocks import SequencePass, block_inputs
+
+
+@dataclass
+class WalkStats:
+    rounds: int = 0
+    tokens: int = 0  # accepted drafts + bonus, summed over rounds
+    verified: int = 0  # Σ k̂
+    calib_abs_err: float = 0.0
+    accepted_at: list[int] | None = None  # rounds whose i-th draft was accepted, i = 1..k-1
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(self.rounds, 1)
+
+    @property
+    def mean_verify_len(self) -> float:
+        return self.verified / max(self.rounds, 1)
+
+
+@torch.no_grad()
+def _walk(
+    drafter: Drafter,
+    target: TargetModel,
+    seqs: list[SequencePass],
+    starts: list[int],
+    head: LengthHead | None,
+    gamma: float,
+) -> WalkStats:
+    k = drafter.block_size
+    dtype = drafter.fc.weight.dtype
+    S = len(seqs)
+    Lmax = max(s.tokens.numel() for s in seqs)
+    feats = torch.zeros(S, Lmax, seqs[0].features.shape[-1], dtype=dtype)
+    for i, s in enumerate(seqs):
+        feats[i, : s.tokens.numel()] = s.features.to(dtype)
+    ctx_kv = drafter.context_kv(feats, torch.arange(Lmax)[None, :].expand(S, Lmax))
+    stats = WalkStats(accepted_at=[0] * (k - 1))
+    anchor = torch.tensor(starts)
+    lengths = torch.tensor([s.tokens.numel() for s in seqs])
+    while True:
+        alive = (anchor < lengths - 1).nonzero().squeeze(1)
+        if alive.numel() == 0:
+            return stats
+        blocks, positions, labels = [], [], []
+        for i in alive.tolist():
+            b, p, lab = block_inputs(seqs[i].tokens, anchor[i : i + 1], k, drafter.config.mask_token_id)
+            blocks.append(b), positions.append(p), labels.append(lab)
+        block, pos, lab = torch.cat(blocks), torch.cat(positions), torch.cat(labels)
+        span = int(anchor[alive].max())
+        visible = (torch.arange(span)[None, :] < anchor[alive][:, None])[:, None, :].expand(-1, k, span)
+        kv = [(kk[alive, :, :span], vv[alive, :, :span]) for kk, vv in ctx_kv]
+        hidden = drafter(target.embed(block).to(dtype), pos, kv, visible)
+        n = alive.numel()
+        limit = torch.full((n,), k - 1)
+        if head is not None:
+            a_hat = head(hidden)
+            limit = verify_lengths(a_hat, k, gamma) - 1
+        # Progressive LM head: position i is only scored for blocks that matched 1..i-1.
+        acc = torch.zeros(n, dtype=torch.long)
+        still = torch.ones(n, dtype=torch.bool)
+        for i in range(1, k):
+            rows = still.nonzero().squeeze(1)
+            if rows.numel() == 0:
+                break
+            pred = target.logits(hidden[rows, i]).argmax(-1)
+            hit = pred == lab[rows, i - 1]
+            stats.accepted_at[i - 1] += int(hit.sum())
+            acc[rows[hit]] += 1
+            still[rows[~hit]] = False
+        if head is not None:
+            stats.calib_abs_err += float((a_hat - acceptance_label(acc, k)).abs().sum())
+        acc = torch.minimum(acc, limit)
+        verified = limit + 1
+        stats.rounds += n
+        stats.tokens += int((acc + 1).sum())
+        stats.verified += int(verified.sum())
+        anchor[alive] += acc + 1
+
+
+def evaluate_acceptance(
+    drafter: Drafter,
+    target: TargetModel,
+    seqs: list[SequencePass],
+    starts: list[int],
+    domains: list[str],
+    head: LengthHead | None = None,
+    gamma: float = 1.0,
+) -> dict[str, dict[str, float]]:
+    """Per domain (and "all"): τ and mean verify length for dflash, and for adaflash if a head
+    is given, plus the head's calibration error |â − a*| and per-position acceptance."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, d in enumerate(domains):
+        groups[d].append(i)
+    groups["all"] = list(range(len(seqs)))
+    report: dict[str, dict[str, float]] = {}
+    was_training = drafter.training
+    drafter.eval()
+    for name, idx in groups.items():
+        sub, st = [seqs[i] for i in idx], [starts[i] for i in idx]
+        fixed = _walk(drafter, target, sub, st, None, gamma)
+        row = {
+            "n_sequences": len(idx),
+            "dflash_tau": round(fixed.tau, 4),
+            "dflash_mean_verify_len": round(fixed.mean_verify_len, 3),
+            "accept_rate_by_position": [round(a / max(fixed.rounds, 1), 4) for a in fixed.accepted_at],
+        }
+        if head is not None:
+            ada = _walk(drafter, target, sub, st, head, gamma)
+            row.update(
+                adaflash_tau=round(ada.tau, 4),
+                adaflash_mean_verify_len=round(ada.mean_verify_len, 3),
+                length_head_mae=round(ada.calib_abs_err / max(ada.rounds, 1), 4),
+            )
+        report[name] = row
+    drafter.train(was_training)
+    return report

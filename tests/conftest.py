@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    # Tests never touch the user's cache; SmolLM2's dequantised copy is shared across the session.
+    if "ADAFLASH_TEST_CACHE" not in os.environ:
+        os.environ["ADAFLASH_TEST_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
+    monkeypatch.setenv(
+        "ADAFLASH_CACHE", os.environ.get("ADAFLASH_CACHE_SHARED", os.environ["ADAFLASH_TEST_CACHE"])
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny64():
+    from adaflash.models.targets import tiny_target
+
+    return tiny_target(torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny32():
+    from adaflash.models.targets import tiny_target
+
+    return tiny_target(torch.float32)
+
+
+def make_bundle(target, num_layers=2, block_size=8, seed=0, with_head=True):
+    from adaflash.models.checkpoint import DrafterBundle, DrafterMeta
+    from adaflash.models.factory import new_drafter
+
+    d, h = new_drafter(target, num_layers=num_layers, block_size=block_size, num_feature_layers=2, seed=seed)
+    meta = DrafterMeta(target.fingerprint, target.name, target.config.hidden_size, target.config.vocab_size)
+    return DrafterBundle(d.eval(), h.eval() if with_head else None, meta)
+
+
+REPO = Path(__file__).resolve().parents[1]

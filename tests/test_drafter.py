@@ -1,0 +1,110 @@
+"""Drafter: the public DFlash format (interop with the reference package), save/load checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from adaflash.errors import CheckpointError
+from adaflash.models.checkpoint import load_drafter, save_drafter
+from tests.conftest import make_bundle
+
+
+def _perturb(module, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+@pytest.mark.parametrize("layers,block", [(1, 4), (2, 16)])
+def test_saved_drafter_loads_in_reference_dflash_and_matches(tmp_path, tiny32, layers, block):
+    from dflash.model import DFlashDraftModel
+
+    b = make_bundle(tiny32, num_layers=layers, block_size=block)
+    _perturb(b.drafter)  # norms away from 1 so every weight matters
+    save_drafter(tmp_path / "d", b.drafter, b.length_head, b.meta)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == block
+    assert set(cfg["dflash_config"]) == {"target_layer_ids", "mask_token_id"}
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path / "d")).eval()
+    assert list(ref.target_layer_ids) == list(b.config.target_layer_ids)
+    assert ref.block_size == block and ref.mask_token_id == tiny32.mask_token_id
+
+    S = 21
+    n_feat = len(b.config.target_layer_ids) * tiny32.config.hidden_size
+    feats = torch.randn(2, S, n_feat) * 3
+    block_ids = torch.full((2, block), tiny32.mask_token_id)
+    block_ids[:, 0] = torch.tensor([65, 97])
+    emb = tiny32.model.embed(block_ids)
+    pos = torch.arange(S + block)[None].expand(2, -1)
+    with torch.no_grad():
+        theirs = ref(position_ids=pos, noise_embedding=emb, target_hidden=feats)
+        kv = b.drafter.context_kv(feats, pos[:, :S])
+        ours = b.drafter(emb, pos[:, S:], kv, torch.ones(2, block, S, dtype=torch.bool))
+        # The incremental path (what decoding uses) gives the same states.
+        ctx = b.drafter.new_context(2, 64)
+        b.drafter.extend_context(ctx, feats[:, :10], torch.tensor([10, 10]))
+        b.drafter.extend_context(ctx, feats[:, 10:], torch.tensor([S - 10, S - 10]))
+        incremental = b.drafter.draft_hidden(ctx, emb)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(incremental, theirs, rtol=0, atol=1e-5)
+    # Logits go through the shared LM head (embedding norm ~8 here), which scales the 1e-6 gaps.
+    logits_ref = ref.compute_logits(theirs, tiny32.model.lm_head)
+    torch.testing.assert_close(tiny32.model.logits(ours), logits_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_roundtrip_keeps_weights_head_and_meta(tmp_path, tiny32):
+    b = make_bundle(tiny32)
+    _perturb(b.length_head)
+    b.meta.lineage = {"kind": "test", "records": 3}
+    save_drafter(tmp_path / "d", b.drafter, b.length_head, b.meta)
+    files = {p.name for p in (tmp_path / "d").iterdir()}
+    assert files == {"config.json", "model.safetensors", "length_head.safetensors", "adaflash.json"}
+    got = load_drafter(
+        tmp_path / "d",
+        target_fingerprint=tiny32.fingerprint,
+        target_hidden_size=64,
+        target_vocab_size=320,
+        target_num_layers=4,
+    )
+    for (k, v), (k2, v2) in zip(
+        b.drafter.state_dict().items(), got.drafter.state_dict().items(), strict=True
+    ):
+        assert k == k2 and torch.equal(v, v2)
+    h = torch.randn(3, 8, 64)
+    torch.testing.assert_close(got.length_head(h), b.length_head(h))
+    assert got.meta.lineage == {"kind": "test", "records": 3}
+    # The DFlash weights file carries no length-head tensors (SGLang would drop them silently).
+    from safetensors.torch import load_file
+
+    assert not any(
+        "proj.weight" in k and "layers" not in k for k in load_file(str(tmp_path / "d/model.safetensors"))
+    )
+
+
+def test_rejects_mismatched_or_corrupt_checkpoints(tmp_path, tiny32):
+    b = make_bundle(tiny32)
+    d = tmp_path / "d"
+    save_drafter(d, b.drafter, b.length_head, b.meta)
+    with pytest.raises(CheckpointError, match="trained for target"):
+        load_drafter(d, target_fingerprint="0123456789abcdef")
+    with pytest.raises(CheckpointError, match="hidden size 64 != target's 576"):
+        load_drafter(d, target_hidden_size=576)
+    with pytest.raises(CheckpointError, match="vocab size"):
+        load_drafter(d, target_vocab_size=49152)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_drafter(tmp_path / "nope")
+    (d / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_drafter(d)
+    save_drafter(d, b.drafter, b.length_head, b.meta)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_drafter(d)
+    save_drafter(d, b.drafter, b.length_head, b.meta)
+    (d / "adaflash.json").unlink()
+    with pytest.raises(CheckpointError, match="missing adaflash.json"):
+        load_drafter(d)

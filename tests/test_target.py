@@ -1,0 +1,139 @@
+"""The target runner: equal to HF's Llama/Qwen3, KV cache and padded batches exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from adaflash.errors import AdaFlashError
+from adaflash.models.generate import greedy_generate
+from adaflash.models.targets import fingerprint_of, load_target, tiny_target
+
+
+def _hf_model(target, arch="llama"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    c = target.config
+    kw = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=True,
+    )
+    cls, cfg = (LlamaForCausalLM, LlamaConfig) if arch == "llama" else (Qwen3ForCausalLM, Qwen3Config)
+    hf = cls(cfg(**kw)).double().eval()
+    state = {f"model.{k}": v for k, v in target.model.state_dict().items() if k != "lm_head.weight"}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected
+    assert all(k == "lm_head.weight" or k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing)
+    with torch.no_grad():  # Qwen3's q/k norms: random, so the test exercises them
+        for k in missing:
+            if k.endswith("norm.weight"):
+                hf.get_parameter(k).uniform_(0.5, 1.5)
+    return hf
+
+
+# HF computes RMSNorm and RoPE tables in fp32 even in a float64 model: compare at fp32 precision.
+HF_ATOL = 1e-4
+
+
+def test_matches_hf_llama_logits_and_hidden_states(tiny64):
+    hf = _hf_model(tiny64)
+    x = torch.randint(0, 256, (2, 23))
+    with torch.no_grad():
+        ref = hf(x, output_hidden_states=True)
+    cache = tiny64.model.new_cache(2, 32)
+    out = tiny64.model(x, cache, capture_layers=(0, 2))
+    torch.testing.assert_close(tiny64.model.logits(out.hidden), ref.logits, rtol=0, atol=HF_ATOL)
+    H = tiny64.config.hidden_size
+    torch.testing.assert_close(out.features[..., :H], ref.hidden_states[1], rtol=0, atol=HF_ATOL)
+    torch.testing.assert_close(out.features[..., H:], ref.hidden_states[3], rtol=0, atol=HF_ATOL)
+
+
+def test_incremental_and_padded_batches_equal_full_forward(tiny64):
+    m = tiny64.model
+    seqs = [torch.randint(0, 256, (n,)) for n in (17, 9, 30)]
+    full = []
+    for s in seqs:
+        c = m.new_cache(1, 64)
+        full.append(m.logits(m(s[None], c).hidden)[0])
+    # Padded prefill of different lengths, then token-by-token decode of the rest.
+    prefix = [s[:5] for s in seqs]
+    pad = torch.stack([torch.nn.functional.pad(p, (0, 0)) for p in prefix])
+    cache = m.new_cache(3, 64)
+    out = m(pad, cache)
+    cache.commit(torch.tensor([5, 5, 5]))
+    for i in range(3):
+        torch.testing.assert_close(m.logits(out.hidden[i]), full[i][:5], rtol=0, atol=1e-9)
+    # Ragged step: 3 / 1 / 4 tokens, padded to 4; the padding must not disturb anything.
+    steps = [3, 1, 4]
+    toks = torch.zeros(3, 4, dtype=torch.long)
+    for i, n in enumerate(steps):
+        toks[i, :n] = seqs[i][5 : 5 + n]
+    out = m(toks, cache)
+    for i, n in enumerate(steps):
+        torch.testing.assert_close(m.logits(out.hidden[i, :n]), full[i][5 : 5 + n], rtol=0, atol=1e-9)
+    cache.commit(torch.tensor(steps))
+    # Rejection: roll request 2 back by 2 tokens and continue from there.
+    cache.lengths[2] -= 2
+    nxt = torch.stack([seqs[0][8], seqs[1][6], seqs[2][7]])[:, None]
+    out = m(nxt, cache)
+    torch.testing.assert_close(m.logits(out.hidden[2, 0]), full[2][7], rtol=0, atol=1e-9)
+    torch.testing.assert_close(m.logits(out.hidden[0, 0]), full[0][8], rtol=0, atol=1e-9)
+
+
+def test_greedy_generate_matches_hf_generate(tiny64):
+    hf = _hf_model(tiny64)
+    prompts = [[256, *b"hello"], [256, *b"a longer prompt here"]]
+    ours = greedy_generate(tiny64.model, prompts, 20)
+    for p, o in zip(prompts, ours, strict=True):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert o == ref[0, len(p) :].tolist()
+
+
+def test_fingerprint_tracks_weights(tiny32):
+    state = {k: v.clone() for k, v in tiny32.model.state_dict().items()}
+    fp = fingerprint_of(tiny32.config, state)
+    assert fp == tiny_target().fingerprint
+    state["norm.weight"][0] += 1e-3
+    assert fingerprint_of(tiny32.config, state) != fp
+
+
+def test_loads_hf_qwen3_checkpoint_directory(tmp_path, tiny64):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf = _hf_model(tiny64, arch="qwen3").float()
+    hf.save_pretrained(tmp_path)
+    vocab = {chr(i + 33): i for i in range(200)} | {"[UNK]": 200, "[MASK]": 201, "</s>": 202}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="[UNK]", mask_token="[MASK]", eos_token="</s>"
+    ).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), torch.float64)
+    assert target.config.arch == "qwen3" and target.mask_token_id == 201
+    x = torch.randint(0, 200, (1, 12))
+    with torch.no_grad():
+        ref = hf.double()(x).logits
+    out = target.model(x, target.model.new_cache(1, 16))
+    torch.testing.assert_close(target.model.logits(out.hidden), ref, rtol=0, atol=HF_ATOL)
+
+
+def test_unknown_target_and_bad_dirs(tmp_path):
+    with pytest.raises(AdaFlashError, match="unknown target"):
+        load_target("gpt-17")
+    with pytest.raises(AdaFlashError, match="config.json"):
+        load_target(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(AdaFlashError, match="unsupported target architecture"):
+        load_target(str(tmp_path))
