@@ -29,7 +29,7 @@ test: setup
 
 # Tests that load the real SmolLM2 target (~10 min on 2 cores; bootstraps a small drafter once).
 test-smollm2: setup
-	$(PY) -m pytest -q -m smollm2
+	ADAFLASH_CACHE_SHARED=$(ADAFLASH_CACHE) $(PY) -m pytest -q -m smollm2
 
 test-slow: setup
 	$(PY) -m pytest -q -m "slow"

@@ -210,9 +210,10 @@ def drafter_info(path: Annotated[Path, typer.Argument(help="drafter directory")]
 @app.command()
 def demo(
     target: TargetOpt = "smollm2",
-    drafter: Annotated[Path, typer.Option(help="drafter directory (bootstrapped if missing)")] = Path(
-        ".cache/demo-drafter"
-    ),
+    drafter: Annotated[
+        Path | None,
+        typer.Option(help="drafter dir; default drafters/smollm2-bootstrap if present, else a demo one"),
+    ] = None,
     budget_minutes: Annotated[float, typer.Option(help="bootstrap budget when no drafter exists")] = 12.0,
     prompts_per_domain: Annotated[int, typer.Option()] = 3,
     max_new_tokens: Annotated[int, typer.Option()] = 96,
@@ -220,6 +221,9 @@ def demo(
     """Bootstrap a drafter if none exists, then compare ar / dflash / adaflash on held-out prompts."""
     from adaflash.demo import run_comparison
 
+    if drafter is None:
+        measured = Path("drafters/smollm2-bootstrap")
+        drafter = measured if (measured / "config.json").exists() else Path(".cache/demo-drafter")
     if not (drafter / "config.json").exists():
         console.print(f"[bold]No drafter at {drafter}: bootstrapping one ({budget_minutes} min budget)[/]")
         bootstrap(out=drafter, target=target, budget_minutes=budget_minutes, eval_per_domain=10)

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# ADAFLASH_THREADS=1 lets the suite share 2 cores with another torch job without oversubscription
+# (two OpenMP pools on the same cores slow both down ~10x).
+torch.set_num_threads(int(os.environ.get("ADAFLASH_THREADS", "2")))
 
 
 @pytest.fixture(autouse=True)

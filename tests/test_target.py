@@ -100,6 +100,21 @@ def test_greedy_generate_matches_hf_generate(tiny64):
         assert o == ref[0, len(p) :].tolist()
 
 
+@pytest.mark.parametrize("max_new", [1, 9, 24])
+def test_continuous_batching_refill_equals_one_by_one(tiny64, max_new):
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        [256, *torch.randint(0, 256, (int(n),), generator=g).tolist()] for n in (3, 40, 7, 19, 1, 25, 11)
+    ]
+    alone = [greedy_generate(tiny64.model, [p], max_new)[0] for p in prompts]
+    # An eos that some continuations hit early makes slots free up at different times.
+    eos = alone[1][min(4, max_new - 1)]
+    alone_eos = [greedy_generate(tiny64.model, [p], max_new, (eos,))[0] for p in prompts]
+    assert greedy_generate(tiny64.model, prompts, max_new, slots=2, refill_fraction=0.5) == alone
+    assert greedy_generate(tiny64.model, prompts, max_new, (eos,), slots=3, refill_fraction=0.3) == alone_eos
+    assert all(len(r) == max_new for r in alone)
+
+
 def test_fingerprint_tracks_weights(tiny32):
     state = {k: v.clone() for k, v in tiny32.model.state_dict().items()}
     fp = fingerprint_of(tiny32.config, state)

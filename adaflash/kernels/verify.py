@@ -21,7 +21,7 @@ def _pad_rows(packed: torch.Tensor, cu: torch.Tensor, width: int, fill) -> torch
     B = cu.numel() - 1
     lengths = cu[1:] - cu[:-1]
     out = packed.new_full((B, width, *packed.shape[1:]), fill)
-    mask = torch.arange(width)[None, :] < lengths[:, None]
+    mask = torch.arange(width, device=cu.device)[None, :] < lengths[:, None]
     out[mask] = packed
     return out
 
@@ -49,7 +49,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Sample rows of (unnormalised) probs [B, V] with uniforms u [B]."""
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-    return idx.clamp_max(probs.shape[-1] - 1)
+    # u * total can round up to total: fall back to the last entry with positive mass.
+    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(idx, last_positive)
 
 
 def sampling_verify(
@@ -71,12 +73,13 @@ def sampling_verify(
     B, width = lengths.numel(), int(lengths.max())
     doff = draft_offsets(cu_seqlens)
     n_draft = draft_tokens.numel()
-    rows = torch.repeat_interleave(torch.arange(B), lengths - 1)
+    dev = cu_seqlens.device
+    rows = torch.repeat_interleave(torch.arange(B, device=dev), lengths - 1)
     # Target row for each draft: same index within its request.
-    within = torch.arange(n_draft) - doff[:-1][rows]
+    within = torch.arange(n_draft, device=dev) - doff[:-1][rows]
     t_rows = cu_seqlens[:-1][rows] + within
     p_x = target_probs[t_rows, draft_tokens]
-    q_x = draft_probs[torch.arange(n_draft), draft_tokens]
+    q_x = draft_probs[torch.arange(n_draft, device=dev), draft_tokens]
     ok = (u_accept * q_x < p_x).long()
     ok_pad = _pad_rows(ok, doff, max(width - 1, 1), 0)
     accepted = ok_pad.cumprod(dim=1).sum(dim=1)

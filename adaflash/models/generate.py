@@ -56,6 +56,13 @@ def greedy_generate(
     cache = model.new_cache(slots, capacity)
     nxt = torch.zeros(slots, dtype=torch.long)
 
+    def record(slot: int, tok: int) -> None:
+        i = owner[slot]
+        results[i].append(tok)
+        if tok in eos or len(results[i]) >= max_new_tokens:
+            owner[slot] = -1
+            cache.lengths[slot] = 0  # a free slot computes garbage at position 0 until refilled
+
     def admit() -> None:
         free = [s for s in range(slots) if owner[s] < 0][: len(queue)]
         if not free:
@@ -66,26 +73,23 @@ def greedy_generate(
         cache.k[:, idx], cache.v[:, idx] = sub.k, sub.v
         cache.lengths[idx] = sub.lengths
         nxt[idx] = first
-        for s, i in zip(free, take, strict=True):
+        for s, i, tok in zip(free, take, first.tolist(), strict=True):
             owner[s] = i
+            record(s, tok)  # the prefill's token is the first generated one
 
-    admit()
-    while any(o >= 0 for o in owner):
-        for s in range(slots):
-            i = owner[s]
-            if i < 0:
-                continue
-            tok = int(nxt[s])
-            results[i].append(tok)
-            if tok in eos or len(results[i]) >= max_new_tokens:
-                owner[s] = -1
-                cache.lengths[s] = 0  # the free slot's garbage stays inside its capacity
+    while True:
         n_free = sum(o < 0 for o in owner)
-        if queue and n_free >= max(1, int(refill_fraction * slots)):
+        if queue and (n_free == slots or n_free >= max(1, int(refill_fraction * slots))):
             admit()
         if all(o < 0 for o in owner):
-            break
+            if not queue:
+                break
+            continue  # every admitted prompt finished at its first token: admit more
         out = model(nxt[:, None], cache)
-        cache.commit(torch.ones(slots, dtype=torch.long))
+        # Only live slots advance; free ones stay at length 0 and cannot outgrow the cache.
+        cache.commit(torch.tensor([o >= 0 for o in owner], dtype=torch.long))
         nxt = model.logits(out.hidden[:, -1]).argmax(-1)
+        for s in range(slots):
+            if owner[s] >= 0:
+                record(s, int(nxt[s]))
     return results

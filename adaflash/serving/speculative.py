@@ -63,7 +63,11 @@ class GenerationResult:
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits / temperature, dim=-1)
+    return (
+        torch.softmax(logits.float() / temperature, dim=-1)
+        if logits.dtype != torch.float64
+        else torch.softmax(logits / temperature, dim=-1)
+    )
 
 
 class SpeculativeDecoder:
@@ -190,9 +194,12 @@ class SpeculativeDecoder:
             if greedy:
                 accepted, nxt = kernels.greedy_verify(drafts, t_logits, cu)
             else:
-                u_accept = torch.rand(drafts.numel(), generator=gen, dtype=t_logits.dtype)
-                u_sample = torch.rand(n, generator=gen, dtype=t_logits.dtype)
-                p = _probs(t_logits, cfg.temperature)
+                # Probabilities and uniforms in >= fp32: a bf16 target must not quantise acceptance.
+                prec = torch.float64 if t_logits.dtype == torch.float64 else torch.float32
+                u_accept = torch.rand(drafts.numel(), generator=gen, dtype=prec)
+                u_sample = torch.rand(n, generator=gen, dtype=prec)
+                p = _probs(t_logits.to(prec), cfg.temperature)
+                d_probs = d_probs.to(prec) if d_probs is not None else None
                 q = d_probs if d_probs is not None else p.new_zeros(0, p.shape[-1])
                 accepted, nxt = kernels.sampling_verify(drafts, q, p, cu, u_accept, u_sample)
 

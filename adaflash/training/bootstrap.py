@@ -24,6 +24,7 @@ from adaflash.models.drafter import Drafter
 from adaflash.models.factory import new_drafter
 from adaflash.models.length_head import LengthHead, acceptance_label
 from adaflash.models.targets import Target
+from adaflash.reporting import plot_tau_vs_budget
 from adaflash.training.blocks import SequencePass, accepted_prefix, block_hidden, sequence_pass
 from adaflash.training.evaluate import evaluate_acceptance
 from adaflash.training.losses import LossName, drafter_loss, position_weights
@@ -48,7 +49,7 @@ class BootstrapConfig:
     position_decay: float | None = 7.0
     lr: float = 3e-4
     head_lr: float = 2e-4
-    anchors_per_seq: int = 32
+    anchors_per_seq: int = 48
     seqs_per_step: int = 2
     max_new_tokens: int = 256
     eval_per_domain: int = 40
@@ -301,6 +302,7 @@ class BootstrapTrainer:
             "config": asdict(c),
         }
         (self.out / METRICS).write_text(json.dumps(metrics, indent=2))
+        plot_tau_vs_budget(metrics, self.out / "tau_vs_budget.png")
         return metrics
 
     def _lineage(self, train: list[Response]) -> dict:

@@ -90,6 +90,9 @@ def _walk(
             still[rows[~hit]] = False
         if head is not None:
             stats.calib_abs_err += float((a_hat - acceptance_label(acc, k)).abs().sum())
+        # Like the decoder, never verify past the end of the continuation (its max_new_tokens).
+        left = lengths[alive] - 1 - anchor[alive]
+        limit = torch.minimum(limit, left - 1).clamp_min(0)
         acc = torch.minimum(acc, limit)
         verified = limit + 1
         stats.rounds += n

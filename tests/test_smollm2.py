@@ -1,0 +1,73 @@
+"""The real target: SmolLM2-135M-Instruct. Run with `make test-smollm2` (marker `smollm2`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaflash.models.checkpoint import load_drafter
+from adaflash.models.targets import load_target, smollm2_dir
+from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from adaflash.workloads import DOMAINS, load_prompts
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def smollm2_64():
+    return load_target("smollm2", torch.float64)
+
+
+@pytest.fixture(scope="module")
+def bootstrap_drafter(tmp_path_factory) -> Path:
+    """The measured bootstrap drafter when present (make bootstrap), else a quick one."""
+    d = REPO / "drafters" / "smollm2-bootstrap"
+    if (d / "config.json").exists():
+        return d
+    from adaflash.training.bootstrap import BootstrapConfig, BootstrapTrainer
+
+    out = tmp_path_factory.mktemp("smollm2") / "drafter"
+    target = load_target("smollm2")
+    cfg = BootstrapConfig(
+        budget_minutes=4, eval_per_domain=2, curve_per_domain=1, max_new_tokens=96, max_train_prompts=96
+    )
+    BootstrapTrainer(target, out, cfg).run()
+    return out
+
+
+def test_runner_matches_hf_llama(smollm2_64):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir()), dtype=torch.float64).eval()
+    ids = smollm2_64.tokenizer.chat_prompt("Write a haiku about the sea.")
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    out = smollm2_64.model(torch.tensor([ids]), smollm2_64.model.new_cache(1, 128), capture_layers=(14,))
+    torch.testing.assert_close(smollm2_64.model.logits(out.hidden), ref.logits, rtol=0, atol=2e-3)
+    torch.testing.assert_close(out.features, ref.hidden_states[15], rtol=1e-4, atol=1e-2)
+    assert smollm2_64.config.num_layers == 30 and smollm2_64.config.vocab_size == 49152
+    assert smollm2_64.mask_token_id == 16
+
+
+def test_lossless_greedy_on_heldout_prompts(smollm2_64, bootstrap_drafter):
+    held = load_prompts("heldout")
+    prompts = [smollm2_64.tokenizer.chat_prompt(p.text) for d in DOMAINS for p in held[d][-8:]]
+    assert len(prompts) >= 20
+    c = smollm2_64.config
+    bundle = load_drafter(
+        bootstrap_drafter,
+        target_fingerprint=smollm2_64.fingerprint,
+        target_hidden_size=c.hidden_size,
+        target_vocab_size=c.vocab_size,
+        dtype=torch.float64,
+    )
+    dec = SpeculativeDecoder(smollm2_64, bundle)
+    ar = dec.generate(prompts, DecodeConfig("ar", 64))
+    for method in ("dflash", "adaflash"):
+        spec = dec.generate(prompts, DecodeConfig(method, 64))
+        for i, (a, s) in enumerate(zip(ar, spec, strict=True)):
+            assert s.token_ids == a.token_ids, (method, i)
+        assert sum(r.accepted for s in spec for r in s.rounds) > 0  # drafts really were accepted
