@@ -149,17 +149,27 @@ def bootstrap(
                 text = f"{info['split']} +{info['prompts']} prompts, {info['tokens']} tokens"
             elif kind == "step":
                 text = f"step {info['step']} loss {info['loss']:.3f} head_mse {info['head_mse']:.3f}"
+            elif kind == "train_start":
+                text = f"{info['sequences']} sequences, {info['tokens']} response tokens"
+            elif kind == "evaluate":
+                text = f"{info['sequences']} held-out sequences"
+            elif kind == "resume":
+                text = f"resuming at step {info['step']}"
             elif kind == "curve":
                 text = f"held-out τ {info['dflash_tau']:.2f} after {info['train_minutes']} min"
-                err_console.print(
-                    f"  τ(dflash, subset) = {info['dflash_tau']:.3f} at {info['train_minutes']} train-min"
-                )
+                if err_console.is_terminal:  # keep each curve point on screen
+                    err_console.print(
+                        f"  τ(dflash, subset) = {info['dflash_tau']:.3f} at {info['train_minutes']} train-min"
+                    )
             progress.update(
                 task,
                 completed=min(time.time() - t0, total_s),
                 description=desc,
                 info=text or progress.tasks[0].fields["info"],
             )
+            # Piped to a file (CI, nohup) rich draws nothing live: log plain lines instead.
+            if not err_console.is_terminal and text and (kind != "step" or info["step"] % 25 == 0):
+                print(f"[{(time.time() - t0) / 60:6.1f} min] {desc}: {text}", file=sys.stderr, flush=True)
 
         metrics = BootstrapTrainer(tgt, out, cfg, data_dir, on).run()
     _print_bootstrap(metrics, out)
