@@ -32,21 +32,12 @@ def _setup_torch() -> None:
 
 
 def _load(target: str, drafter: Path | None):
-    from adaflash.models.checkpoint import load_drafter
+    from adaflash.models.checkpoint import load_drafter_for
     from adaflash.models.targets import load_target
 
     _setup_torch()
     tgt = load_target(target)
-    bundle = None
-    if drafter is not None:
-        c = tgt.config
-        bundle = load_drafter(
-            drafter,
-            target_fingerprint=tgt.fingerprint,
-            target_hidden_size=c.hidden_size,
-            target_vocab_size=c.vocab_size,
-            target_num_layers=c.num_layers,
-        )
+    bundle = load_drafter_for(drafter, tgt) if drafter is not None else None
     return tgt, bundle
 
 

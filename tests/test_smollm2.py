@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaflash.models.checkpoint import load_drafter
+from adaflash.models.checkpoint import load_drafter_for
 from adaflash.models.targets import load_target, smollm2_dir
 from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
 from adaflash.workloads import DOMAINS, load_prompts
@@ -56,14 +56,7 @@ def test_lossless_greedy_on_heldout_prompts(smollm2_64, bootstrap_drafter):
     held = load_prompts("heldout")
     prompts = [smollm2_64.tokenizer.chat_prompt(p.text) for d in DOMAINS for p in held[d][-8:]]
     assert len(prompts) >= 20
-    c = smollm2_64.config
-    bundle = load_drafter(
-        bootstrap_drafter,
-        target_fingerprint=smollm2_64.fingerprint,
-        target_hidden_size=c.hidden_size,
-        target_vocab_size=c.vocab_size,
-        dtype=torch.float64,
-    )
+    bundle = load_drafter_for(bootstrap_drafter, smollm2_64)
     dec = SpeculativeDecoder(smollm2_64, bundle)
     ar = dec.generate(prompts, DecodeConfig("ar", 64))
     for method in ("dflash", "adaflash"):

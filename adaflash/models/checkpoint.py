@@ -169,3 +169,16 @@ def load_drafter(
             raise CheckpointError(f"length head in {d} is malformed: {str(e).splitlines()[0]}") from None
         head.to(dtype).eval().requires_grad_(False)
     return DrafterBundle(drafter, head, meta, d)
+
+
+def load_drafter_for(path: Path | str, target, dtype: torch.dtype | None = None) -> DrafterBundle:
+    """Load a drafter and check it against every property of `target` (a `Target`)."""
+    c = target.config
+    return load_drafter(
+        path,
+        target_fingerprint=target.fingerprint,
+        target_hidden_size=c.hidden_size,
+        target_vocab_size=c.vocab_size,
+        target_num_layers=c.num_layers,
+        dtype=dtype or target.model.dtype,
+    )
