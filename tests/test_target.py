@@ -152,3 +152,14 @@ def test_unknown_target_and_bad_dirs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(AdaFlashError, match="unsupported target architecture"):
         load_target(str(tmp_path))
+
+
+def test_generation_streams_results_and_stops_at_deadline(tiny64):
+    import time
+
+    prompts = [[256, 65 + i] for i in range(6)]
+    seen: dict[int, list[int]] = {}
+    out = greedy_generate(tiny64.model, prompts, 8, slots=2, on_done=lambda i, t: seen.setdefault(i, list(t)))
+    assert seen == dict(enumerate(out)) and all(len(t) == 8 for t in out)
+    late = greedy_generate(tiny64.model, prompts, 8, slots=2, deadline=time.time() - 1)
+    assert late == [None] * 6

@@ -9,7 +9,8 @@ more than the wasted rows cost, and no step copies the whole KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,13 +45,21 @@ def greedy_generate(
     eos_token_ids: Sequence[int] = (),
     slots: int = 128,
     refill_fraction: float = 0.25,
-) -> list[list[int]]:
-    """Greedy continuations (eos included when produced) for each prompt, in input order."""
+    on_done: Callable[[int, list[int]], None] | None = None,
+    deadline: float | None = None,
+) -> list[list[int] | None]:
+    """Greedy continuations (eos included when produced) for each prompt, in input order.
+
+    `on_done(i, tokens)` is called as each prompt finishes (so callers can persist results
+    incrementally). At `deadline` (a time.time() value) generation stops: prompts not finished
+    by then are returned as None.
+    """
     n = len(prompts)
     slots = min(slots, n)
     capacity = max(len(p) for p in prompts) + max_new_tokens + 1
     eos = set(eos_token_ids)
     results: list[list[int]] = [[] for _ in range(n)]
+    finished = [False] * n
     queue = list(range(n))
     owner = [-1] * slots  # prompt index in each slot, -1 = free
     cache = model.new_cache(slots, capacity)
@@ -60,6 +69,9 @@ def greedy_generate(
         i = owner[slot]
         results[i].append(tok)
         if tok in eos or len(results[i]) >= max_new_tokens:
+            finished[i] = True
+            if on_done is not None:
+                on_done(i, results[i])
             owner[slot] = -1
             cache.lengths[slot] = 0  # a free slot computes garbage at position 0 until refilled
 
@@ -77,7 +89,7 @@ def greedy_generate(
             owner[s] = i
             record(s, tok)  # the prefill's token is the first generated one
 
-    while True:
+    while deadline is None or time.time() < deadline:
         n_free = sum(o < 0 for o in owner)
         if queue and (n_free == slots or n_free >= max(1, int(refill_fraction * slots))):
             admit()
@@ -92,4 +104,4 @@ def greedy_generate(
         for s in range(slots):
             if owner[s] >= 0:
                 record(s, int(nxt[s]))
-    return results
+    return [r if done else None for r, done in zip(results, finished, strict=True)]

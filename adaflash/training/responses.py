@@ -52,32 +52,37 @@ def ensure_responses(
     prompts: Sequence[Prompt],
     path: Path,
     max_new_tokens: int,
-    batch_size: int = 256,
+    batch_size: int = 128,
+    report_every: int = 32,
     max_prompt_tokens: int = 384,
     deadline: float | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> list[Response]:
-    """Responses for `prompts` (cached ones reused); stops early at `deadline` (time.time())."""
+    """Responses for `prompts` (cached ones reused); stops at `deadline` (time.time()),
+    keeping every response finished by then. `batch_size` is the number of decode slots."""
     have = {r.id: r for r in read_responses(path)}
     todo = [p for p in prompts if p.id not in have]
+    if not todo or (deadline is not None and time.time() > deadline):
+        return [have[p.id] for p in prompts if p.id in have]
     path.parent.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
-    done_tokens = 0
+    ids = [tok.chat_prompt(p.text)[-max_prompt_tokens:] for p in todo]
+    done = {"prompts": 0, "tokens": 0}
     with path.open("a") as f:
-        for start in range(0, len(todo), batch_size):
-            if deadline is not None and time.time() > deadline:
-                break
-            chunk = todo[start : start + batch_size]
-            ids = [tok.chat_prompt(p.text)[-max_prompt_tokens:] for p in chunk]
-            # Similar lengths in one batch waste less padding in the prefill.
-            order = sorted(range(len(chunk)), key=lambda i: len(ids[i]))
-            outs = greedy_generate(target.model, [ids[i] for i in order], max_new_tokens, tok.eos_token_ids)
-            for i, resp in zip(order, outs, strict=True):
-                r = Response(chunk[i].id, chunk[i].domain, ids[i], resp)
-                have[r.id] = r
-                f.write(json.dumps(asdict(r)) + "\n")
-                done_tokens += len(resp)
-            f.flush()
-            if on_progress:
-                on_progress(len(chunk), done_tokens)
+
+        def persist(i: int, resp: list[int]) -> None:
+            r = Response(todo[i].id, todo[i].domain, ids[i], list(resp))
+            have[r.id] = r
+            f.write(json.dumps(asdict(r)) + "\n")
+            f.flush()  # an interrupted run keeps every finished response
+            done["prompts"] += 1
+            done["tokens"] += len(resp)
+            if on_progress and done["prompts"] % report_every == 0:
+                on_progress(report_every, done["tokens"])
+
+        # One continuous batch over everything missing; slots refill as responses finish.
+        greedy_generate(target.model, ids, max_new_tokens, tok.eos_token_ids, slots=batch_size,
+                        on_done=persist, deadline=deadline)  # fmt: skip
+    if on_progress and done["prompts"] % report_every:
+        on_progress(done["prompts"] % report_every, done["tokens"])
     return [have[p.id] for p in prompts if p.id in have]
