@@ -163,3 +163,15 @@ def test_generation_streams_results_and_stops_at_deadline(tiny64):
     assert seen == dict(enumerate(out)) and all(len(t) == 8 for t in out)
     late = greedy_generate(tiny64.model, prompts, 8, slots=2, deadline=time.time() - 1)
     assert late == [None] * 6
+    # Cut mid-way: started prompts come back as greedy prefixes, the rest as None.
+    clock = iter([0.0] * 4 + [1e12] * 1000)
+    import adaflash.models.generate as gen
+
+    real = gen.time.time
+    gen.time.time = lambda: next(clock)
+    try:
+        cut = greedy_generate(tiny64.model, prompts, 8, slots=2, deadline=1.0)
+    finally:
+        gen.time.time = real
+    assert cut[:2] == [out[0][: len(cut[0])], out[1][: len(cut[1])]] and 0 < len(cut[0]) < 8
+    assert cut[2:] == [None] * 4

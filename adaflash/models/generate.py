@@ -51,8 +51,9 @@ def greedy_generate(
     """Greedy continuations (eos included when produced) for each prompt, in input order.
 
     `on_done(i, tokens)` is called as each prompt finishes (so callers can persist results
-    incrementally). At `deadline` (a time.time() value) generation stops: prompts not finished
-    by then are returned as None.
+    incrementally). At `deadline` (a time.time() value) generation stops: prompts never started
+    are returned as None, prompts in flight as the prefix generated so far (check `on_done`
+    to tell finished from cut).
     """
     n = len(prompts)
     slots = min(slots, n)
@@ -104,4 +105,4 @@ def greedy_generate(
         for s in range(slots):
             if owner[s] >= 0:
                 record(s, int(nxt[s]))
-    return [r if done else None for r, done in zip(results, finished, strict=True)]
+    return [r if r or done else None for r, done in zip(results, finished, strict=True)]

@@ -24,6 +24,7 @@ class Response:
     domain: str
     prompt_ids: list[int]
     response_ids: list[int]
+    complete: bool = True  # False: cut by the budget's deadline (still a greedy prefix)
 
     @property
     def tokens(self) -> list[int]:
@@ -54,6 +55,7 @@ def ensure_responses(
     max_new_tokens: int,
     batch_size: int = 128,
     report_every: int = 32,
+    min_partial_tokens: int = 32,
     max_prompt_tokens: int = 384,
     deadline: float | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -70,8 +72,8 @@ def ensure_responses(
     done = {"prompts": 0, "tokens": 0}
     with path.open("a") as f:
 
-        def persist(i: int, resp: list[int]) -> None:
-            r = Response(todo[i].id, todo[i].domain, ids[i], list(resp))
+        def persist(i: int, resp: list[int], complete: bool = True) -> None:
+            r = Response(todo[i].id, todo[i].domain, ids[i], list(resp), complete)
             have[r.id] = r
             f.write(json.dumps(asdict(r)) + "\n")
             f.flush()  # an interrupted run keeps every finished response
@@ -81,8 +83,13 @@ def ensure_responses(
                 on_progress(report_every, done["tokens"])
 
         # One continuous batch over everything missing; slots refill as responses finish.
-        greedy_generate(target.model, ids, max_new_tokens, tok.eos_token_ids, slots=batch_size,
-                        on_done=persist, deadline=deadline)  # fmt: skip
+        out = greedy_generate(target.model, ids, max_new_tokens, tok.eos_token_ids, slots=batch_size,
+                              on_done=persist, deadline=deadline)  # fmt: skip
+        # Responses cut by the deadline are still the target's greedy prefixes: keep the
+        # longer ones rather than throw the compute away.
+        for i, resp in enumerate(out):
+            if resp is not None and todo[i].id not in have and len(resp) >= min_partial_tokens:
+                persist(i, resp, complete=False)
     if on_progress and done["prompts"] % report_every:
         on_progress(done["prompts"] % report_every, done["tokens"])
     return [have[p.id] for p in prompts if p.id in have]
