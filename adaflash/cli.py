@@ -92,6 +92,8 @@ def bootstrap(
     eval_per_domain: Annotated[int, typer.Option(help="held-out prompts per domain for τ")] = 40,
     data_dir: Annotated[Path | None, typer.Option(help="prompt sets (default ../shared/data)")] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    lr: Annotated[float, typer.Option(help="drafter learning rate")] = 3e-4,
+    standardize_fc: Annotated[bool, typer.Option(help="fold feature standardisation into fc's init")] = True,
 ) -> None:
     """Train the offline "DFlash" drafter + length head on the target's own greedy responses."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -112,6 +114,8 @@ def bootstrap(
         max_new_tokens=max_new_tokens,
         eval_per_domain=eval_per_domain,
         seed=seed,
+        lr=lr,
+        standardize_fc=standardize_fc,
     )
     total_s = budget_minutes * 60
     with Progress(

@@ -43,6 +43,10 @@ class BootstrapConfig:
     block_size: int = 16
     num_feature_layers: int = 5
     init_from_target: bool = True
+    # Fold a per-dimension standardisation of the target features into `fc`'s initial weights:
+    # SmolLM2's features have "massive activation" dims (one dim holds >50% of the norm for most
+    # tokens, up to 2.5e4), which otherwise dominate the projected context of every position.
+    standardize_fc: bool = True
     loss: LossName = "fkl"
     alpha: float = 0.5
     delta: float = 0.01
@@ -236,6 +240,8 @@ class BootstrapTrainer:
         train = self._responses("train", train_prompts, gen_deadline)
         if not train:
             raise AdaFlashError("no training responses: raise --budget-minutes")
+        if c.standardize_fc and self.state.step == 0:
+            self._standardize_fc(train[:16])
         held_passes, held_starts = self._heldout_passes(heldout)
         held_domains = [r.domain for r in heldout]
         curve_idx = self._curve_subset(held_domains)
@@ -304,6 +310,17 @@ class BootstrapTrainer:
         (self.out / METRICS).write_text(json.dumps(metrics, indent=2))
         plot_tau_vs_budget(metrics, self.out / "tau_vs_budget.png")
         return metrics
+
+    @torch.no_grad()
+    def _standardize_fc(self, sample: list[Response]) -> None:
+        """fc.weight[:, j] /= std_j of feature dim j (measured on a few training sequences)."""
+        ids = self.drafter.config.target_layer_ids
+        passes = sequence_pass(self.target.model, [r.tokens for r in sample], ids)
+        feats = torch.cat([p.features.float() for p in passes])
+        std = feats.std(dim=0).clamp_min(1e-3)
+        w = self.drafter.fc.weight
+        w.copy_(w / std.to(w.dtype)[None, :])
+        self.progress("standardize_fc", {"max_std": float(std.max()), "median_std": float(std.median())})
 
     def _lineage(self, train: list[Response]) -> dict:
         return {
