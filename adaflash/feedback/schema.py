@@ -10,7 +10,13 @@ round's bonus token; round 0's anchor is the first sampled token, at output inde
 verified `verify_len` = k̂ block positions (anchor included) and accepted `accepted` drafts, so it
 committed output tokens start+1 .. start+accepted+1. Hence 0 ≤ accepted ≤ verify_len−1,
 1 ≤ verify_len ≤ block_size (an `ar` round has verify_len 1, accepted 0) and
-start + accepted + 1 ≤ len(output_token_ids) except for the round cut by eos/max_tokens.
+start + accepted + 1 ≤ len(output_token_ids) except for the round cut by eos/max_tokens; the
+rounds chain: rounds[i+1].start == rounds[i].start + rounds[i].accepted + 1, rounds[0].start == 0.
+
+Texts: `prompt_text == tokenizer.decode(prompt_token_ids)` and likewise for the output (the
+target's tokenizer, special tokens skipped — so a chat prompt's text is its rendered template
+without the special markers). Governance checks this and uses it to re-tokenise scrubbed text
+while keeping rounds aligned; a record whose texts do not match its ids is quarantined.
 """
 
 from __future__ import annotations
