@@ -1,0 +1,202 @@
+"""Model runner for packed (ragged) batches: *how* a step runs; the scheduler decides *what*.
+
+A step hands the runner a list of segments — one per request: a prefill (the whole prompt) or a
+verify (anchor + k̂−1 drafts) — each writing into the request's own slot of a preallocated KV
+cache `[layers, slots, kv_heads, capacity, head_dim]`. Every linear layer (q/k/v/o projections,
+MLP, norms) runs once over the concatenation of all segments' tokens, Σ n_i rows with no padding
+to k. Attention is the only per-request operation: each query sees its own slot's keys up to its
+absolute position. Short segments (decode/verify) share one SDPA call over a gathered
+`[R, kv_heads, span, D]` view of their slots with a block-causal mask; long ones (prefills) get
+their own call so one 300-token prompt does not pad thirty 4-token verifies to 300 rows.
+Rejected drafts need no cleanup: their K/V sit past the request's committed length and are
+overwritten by the next step (attention is causal on absolute positions).
+
+`DrafterSlots` is the drafter's per-request context cache in the same slot layout: each
+committed token's target features are projected by `fc` and every layer's k/v projections once,
+when the token is committed, never again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from adaflash.models.drafter import Drafter
+from adaflash.models.layers import apply_rope, rope_tables
+from adaflash.models.transformer import KVCache, TargetModel
+
+# Segments longer than this get their own attention call (see module docstring).
+LONG_SEGMENT = 32
+
+
+@dataclass
+class Segment:
+    slot: int
+    start: int  # absolute position of tokens[0] (= the request's committed KV length)
+    tokens: list[int]
+
+
+@dataclass
+class PackedBatch:
+    tokens: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] absolute positions
+    slot_rows: torch.Tensor  # [N] slot of each row
+    cu: torch.Tensor  # [R+1] segment boundaries in the packed rows
+    slots: torch.Tensor  # [R]
+    starts: torch.Tensor  # [R]
+    lengths: torch.Tensor  # [R]
+
+    @classmethod
+    def build(cls, segments: list[Segment]) -> PackedBatch:
+        lengths = torch.tensor([len(s.tokens) for s in segments], dtype=torch.long)
+        starts = torch.tensor([s.start for s in segments], dtype=torch.long)
+        slots = torch.tensor([s.slot for s in segments], dtype=torch.long)
+        cu = torch.zeros(len(segments) + 1, dtype=torch.long)
+        cu[1:] = lengths.cumsum(0)
+        seg_of_row = torch.repeat_interleave(torch.arange(len(segments)), lengths)
+        within = torch.arange(int(cu[-1])) - cu[:-1][seg_of_row]
+        tokens = torch.tensor([t for s in segments for t in s.tokens], dtype=torch.long)
+        return cls(tokens, starts[seg_of_row] + within, slots[seg_of_row], cu, slots, starts, lengths)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass
+class _AttnGroup:
+    """Segments attended together: padded queries [R, heads, W, D] over their gathered slots."""
+
+    rows: torch.Tensor  # packed row indices of the group's tokens, in order
+    seg: torch.Tensor  # [n_rows] index within the group of each row's segment
+    within: torch.Tensor  # [n_rows] index of each row inside its segment
+    slots: torch.Tensor  # [R]
+    width: int
+    span: int
+    mask: torch.Tensor  # [R, 1, W, span]
+
+
+def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
+    short = [i for i in range(batch.lengths.numel()) if int(batch.lengths[i]) <= LONG_SEGMENT]
+    long = [i for i in range(batch.lengths.numel()) if int(batch.lengths[i]) > LONG_SEGMENT]
+    groups = []
+    for members in ([short] if short else []) + [[i] for i in long]:
+        idx = torch.tensor(members, dtype=torch.long)
+        lens, starts = batch.lengths[idx], batch.starts[idx]
+        width = int(lens.max())
+        span = int((starts + lens).max())
+        seg = torch.repeat_interleave(torch.arange(len(members)), lens)
+        within = torch.cat([torch.arange(int(n)) for n in lens])
+        rows = batch.cu[:-1][idx][seg] + within
+        # Query w of segment r sits at starts[r] + w; it sees keys at positions <= its own. Padded
+        # query rows (w >= len) still see position 0..start, so no row is all -inf (no NaNs).
+        qpos = starts[:, None] + torch.arange(width)[None, :]
+        mask = (torch.arange(span)[None, None, :] <= qpos[:, :, None])[:, None]
+        groups.append(_AttnGroup(rows, seg, within, batch.slots[idx], width, span, mask))
+    return groups
+
+
+class PackedRunner:
+    """Runs the frozen target over packed segments against a preallocated slot KV cache."""
+
+    def __init__(self, model: TargetModel, slots: int, capacity: int) -> None:
+        self.model = model
+        self.config = model.config
+        self.cache = KVCache.allocate(model.config, slots, capacity, model.dtype)
+        self.last_num_rows = 0  # rows the last forward ran through the linear layers (tests, metrics)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @torch.no_grad()
+    def forward(
+        self, batch: PackedBatch, capture_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final-normed hidden [N, H], captured features [N, len(capture) * H] or None).
+
+        Callers take logits only at the rows they need (`model.logits(hidden[rows])`): the LM
+        head is the widest matmul of a small model.
+        """
+        if int((batch.starts + batch.lengths).max()) > self.capacity:
+            raise ValueError(f"KV slot capacity {self.capacity} exceeded")
+        self.last_num_rows = batch.num_rows
+        c, m = self.config, self.model
+        cos, sin = rope_tables(batch.positions[None], c.head_dim, c.rope_theta, m.dtype)
+        groups = _attention_groups(batch)
+        wanted = {layer: None for layer in capture_layers}
+        x = m.embed_tokens(batch.tokens)
+        for i, layer in enumerate(m.layers):
+            h = layer.input_layernorm(x)
+            x = x + self._attention(layer.self_attn, h, cos, sin, i, batch, groups)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted:
+                wanted[i] = x
+        features = torch.cat([wanted[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return m.norm(x), features
+
+    def _attention(self, attn, h, cos, sin, layer: int, batch: PackedBatch, groups: list[_AttnGroup]):
+        c = self.config
+        N = h.shape[0]
+        q = attn.q_proj(h).view(N, c.num_heads, c.head_dim)
+        k = attn.k_proj(h).view(N, c.num_kv_heads, c.head_dim)
+        v = attn.v_proj(h).view(N, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        # apply_rope wants [B, heads, T, D]: treat the packed rows as one sequence of N tokens.
+        q = apply_rope(q.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)  # [N, heads, D]
+        k = apply_rope(k.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+        ck, cv = self.cache.k[layer], self.cache.v[layer]  # [slots, kvh, cap, D]
+        ck[batch.slot_rows, :, batch.positions] = k
+        cv[batch.slot_rows, :, batch.positions] = v
+        out = torch.empty_like(q)
+        for g in groups:
+            R = g.slots.numel()
+            qp = q.new_zeros(R, g.width, c.num_heads, c.head_dim)
+            qp[g.seg, g.within] = q[g.rows]
+            kp = ck[:, :, : g.span].index_select(0, g.slots)
+            vp = cv[:, :, : g.span].index_select(0, g.slots)
+            o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, vp, attn_mask=g.mask, enable_gqa=True)
+            out[g.rows] = o.transpose(1, 2)[g.seg, g.within]
+        return attn.o_proj(out.reshape(N, -1))
+
+
+class DrafterSlots:
+    """Per-request drafter context K/V, slot layout `[slots, kv_heads, capacity, D]` per layer.
+
+    A slot's context length always equals the request's committed target length: both grow by
+    the anchor plus the accepted drafts of each round.
+    """
+
+    def __init__(self, drafter: Drafter, slots: int, capacity: int) -> None:
+        c = drafter.config
+        self.drafter = drafter
+        dtype = drafter.fc.weight.dtype
+        shape = (slots, c.num_kv_heads, capacity, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
+
+    @torch.no_grad()
+    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Project committed rows' target features [M, n*H] once into their slots' context."""
+        if features.shape[0] == 0:
+            return
+        kv = self.drafter.context_kv(features[None], positions[None])
+        for (k, v), ck, cv in zip(kv, self.k, self.v, strict=True):
+            ck[slot_rows, :, positions] = k[0].transpose(0, 1)
+            cv[slot_rows, :, positions] = v[0].transpose(0, 1)
+
+    @torch.no_grad()
+    def draft_hidden(self, slots: torch.Tensor, lengths: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
+        """Final drafter hidden states [R, k, H] of one block per request (block at lengths[r])."""
+        R, T, _ = block_embeds.shape
+        span = int(lengths.max())
+        positions = lengths[:, None] + torch.arange(T)[None, :]
+        visible = (torch.arange(span)[None, :] < lengths[:, None])[:, None, :].expand(R, T, span)
+        kv = [
+            (k[:, :, :span].index_select(0, slots), v[:, :, :span].index_select(0, slots))
+            for k, v in zip(self.k, self.v, strict=True)
+        ]
+        return self.drafter.forward(block_embeds, positions, kv, visible)
