@@ -280,7 +280,9 @@ class Engine:
 
         plan = self._draft(decoding)
         segments = [Segment(r.slot, 0, r.prompt_ids) for r in admitted]
-        segments += [Segment(r.slot, r.kv_len, toks) for r, toks in zip(decoding, plan.verify_tokens, strict=True)]
+        segments += [
+            Segment(r.slot, r.kv_len, toks) for r, toks in zip(decoding, plan.verify_tokens, strict=True)
+        ]
         batch = PackedBatch.build(segments)
         capture = tuple(self.bundle.config.target_layer_ids) if self.bundle else ()
         hidden, features = self.runner.forward(batch, capture)
@@ -390,13 +392,18 @@ class Engine:
             V = self.target.config.vocab_size
             dtype = next(p.dtype for p in probs_per if p is not None)
             d_probs = torch.cat(
-                [p if p is not None else torch.zeros(len(ds), V, dtype=dtype) for p, ds in zip(probs_per, drafts_per, strict=True)]
+                [
+                    p if p is not None else torch.zeros(len(ds), V, dtype=dtype)
+                    for p, ds in zip(probs_per, drafts_per, strict=True)
+                ]
             )
         cu = torch.zeros(n + 1, dtype=torch.long)
         cu[1:] = torch.tensor(khat).cumsum(0)
         return self._Plan(verify_tokens, khat, a_hat, drafts, d_probs, cu)
 
-    def _verify(self, decoding: list[Request], plan: _Plan, t_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _verify(
+        self, decoding: list[Request], plan: _Plan, t_logits: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
         """Greedy requests by exact argmax matching, sampling requests by speculative sampling."""
         n = len(decoding)
         accepted = [0] * n
@@ -417,16 +424,26 @@ class Engine:
                 acc, nx = kernels.greedy_verify(drafts, t_logits[t_rows], cu)
             else:
                 temps = torch.tensor(
-                    [decoding[i].params.temperature for i in group for _ in range(plan.khat[i])], dtype=torch.float64
+                    [decoding[i].params.temperature for i in group for _ in range(plan.khat[i])],
+                    dtype=torch.float64,
                 )
                 p = _probs(t_logits[t_rows], temps)
-                q = plan.d_probs[d_rows].to(p.dtype) if plan.d_probs is not None else p.new_zeros(0, p.shape[-1])
+                q = (
+                    plan.d_probs[d_rows].to(p.dtype)
+                    if plan.d_probs is not None
+                    else p.new_zeros(0, p.shape[-1])
+                )
                 # Uniforms from each request's own generator: its output does not depend on who
                 # else shares the step.
                 u_acc = torch.cat(
-                    [torch.rand(plan.khat[i] - 1, generator=decoding[i].generator, dtype=p.dtype) for i in group]
+                    [
+                        torch.rand(plan.khat[i] - 1, generator=decoding[i].generator, dtype=p.dtype)
+                        for i in group
+                    ]
                 )
-                u_smp = torch.cat([torch.rand(1, generator=decoding[i].generator, dtype=p.dtype) for i in group])
+                u_smp = torch.cat(
+                    [torch.rand(1, generator=decoding[i].generator, dtype=p.dtype) for i in group]
+                )
                 acc, nx = kernels.sampling_verify(drafts, q, p, cu, u_acc, u_smp)
             for j, i in enumerate(group):
                 accepted[i], nxt[i] = int(acc[j]), int(nx[j])
@@ -486,7 +503,9 @@ class Engine:
         self.bundle = bundle
         self.drafter_version = version if bundle is not None else None
         self.dslots = (
-            DrafterSlots(bundle.drafter, self.config.max_running, self.capacity) if bundle is not None else None
+            DrafterSlots(bundle.drafter, self.config.max_running, self.capacity)
+            if bundle is not None
+            else None
         )
 
     def _apply_staged(self) -> None:

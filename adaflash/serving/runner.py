@@ -189,7 +189,9 @@ class DrafterSlots:
             cv[slot_rows, :, positions] = v[0].transpose(0, 1)
 
     @torch.no_grad()
-    def draft_hidden(self, slots: torch.Tensor, lengths: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
+    def draft_hidden(
+        self, slots: torch.Tensor, lengths: torch.Tensor, block_embeds: torch.Tensor
+    ) -> torch.Tensor:
         """Final drafter hidden states [R, k, H] of one block per request (block at lengths[r])."""
         R, T, _ = block_embeds.shape
         span = int(lengths.max())
