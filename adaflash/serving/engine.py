@@ -88,6 +88,7 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     drafter_version: str | None = None
+    block_size: int = 1  # the serving drafter's k (1 for `ar`)
     cancelled: bool = False
     generator: torch.Generator | None = None
 
@@ -276,7 +277,8 @@ class Engine:
         stats = StepStats(admitted=len(admitted), running=len(admitted) + len(decoding))
         for r in admitted:
             r.status = Status.RUNNING
-            r.drafter_version = self.drafter_version if r.method != "ar" else None
+            if r.method != "ar":
+                r.drafter_version, r.block_size = self.drafter_version, self.block_size
 
         plan = self._draft(decoding)
         segments = [Segment(r.slot, 0, r.prompt_ids) for r in admitted]
@@ -527,4 +529,4 @@ class Engine:
         self.dslots.extend(features, batch.slot_rows, batch.positions)
         for r in live:
             if r.method != "ar":
-                r.drafter_version = self.drafter_version
+                r.drafter_version, r.block_size = self.drafter_version, self.block_size
