@@ -221,3 +221,30 @@ def load_target(spec: str, dtype: torch.dtype = torch.float32) -> Target:
     raise AdaFlashError(
         f"unknown target {spec!r}: use 'smollm2', 'tiny' or a directory with an HF Llama/Qwen3 checkpoint"
     )
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What governance needs of a target: its tokenizer, vocabulary size and fingerprint."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    fingerprint: str
+
+
+def load_vocabulary(spec: str) -> Vocabulary:
+    """Like `load_target` but without the weights when the fingerprint is cached beside them."""
+    if spec == "tiny":
+        t = tiny_target()
+        return Vocabulary("tiny", t.tokenizer, t.config.vocab_size, t.fingerprint)
+    path = smollm2_dir() if spec == "smollm2" else Path(spec).expanduser()
+    fp_file = path / "adaflash_fingerprint.txt"
+    if not (path / "config.json").exists() or not fp_file.exists():
+        t = load_target(spec)
+        return Vocabulary(t.name, t.tokenizer, t.config.vocab_size, t.fingerprint)
+    from transformers import AutoTokenizer
+
+    hf = json.loads((path / "config.json").read_text())
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
+    return Vocabulary(spec, tok, int(hf["vocab_size"]), fp_file.read_text().strip())
