@@ -236,6 +236,119 @@ def demo(
     run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
 
 
+# -- serving -----------------------------------------------------------------------------------------
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+@app.command()
+def serve(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[
+        Path | None, typer.Option(help="drafter directory (DFlash format); none = ar only")
+    ] = None,
+    port: Annotated[int, typer.Option()] = 8000,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    method: Annotated[str, typer.Option(help="default method: ar | dflash | adaflash")] = "adaflash",
+    gamma: Annotated[float, typer.Option(help="k̂ = ⌊γ·â·k⌋")] = 1.0,
+    max_running: Annotated[int, typer.Option(help="KV slots (requests decoding at once)")] = 32,
+    max_queue: Annotated[int, typer.Option(help="waiting requests before HTTP 429")] = 64,
+    max_model_len: Annotated[int, typer.Option(help="per-request prompt + max_tokens")] = 2048,
+    step_token_budget: Annotated[int, typer.Option(help="verify tokens one step may pack")] = 1024,
+    beta: Annotated[float, typer.Option(help="EMA weight of admission's N̂")] = 0.5,
+    bootstrap_servers: Annotated[
+        str | None, typer.Option("--bootstrap-servers", help="Kafka for feedback records (none: no feedback)")
+    ] = None,
+    spool_dir: Annotated[Path, typer.Option(help="feedback spool while Kafka is unreachable")] = Path(
+        ".adaflash/spool"
+    ),
+    model_name: Annotated[str, typer.Option(help="model id reported by the API")] = "adaflash",
+) -> None:
+    """OpenAI-compatible server: /v1/completions, /v1/chat/completions, /health, /metrics, admin reload.
+
+    The admin API (POST /admin/drafter/reload) takes `Authorization: Bearer $ADAFLASH_ADMIN_TOKEN`;
+    without that variable it is disabled.
+    """
+    import uvicorn
+
+    from adaflash.serving.engine import Engine, EngineConfig
+    from adaflash.serving.reload import drafter_version
+    from adaflash.serving.server import ServerSettings, create_app
+
+    tgt, bundle = _load(target, drafter)
+    if bundle is None and method != "ar":
+        raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar)")
+    cfg = EngineConfig(method, gamma, max_running, max_queue, max_model_len, step_token_budget, None, beta)
+    engine = Engine(tgt, bundle, cfg, drafter_version(bundle, drafter) if bundle else None)
+    emitter = None
+    if bootstrap_servers:
+        from adaflash.feedback.producer import FeedbackProducer, ProducerConfig
+        from adaflash.serving.feedback_emitter import FeedbackEmitter
+
+        emitter = FeedbackEmitter(engine, FeedbackProducer(ProducerConfig(bootstrap_servers, spool_dir)))
+    token = os.environ.get("ADAFLASH_ADMIN_TOKEN") or None
+    app_ = create_app(engine, ServerSettings(model_name=model_name, admin_token=token))
+    engine.start()
+    err_console.print(
+        f"serving {tgt.name} ({method}, drafter {engine.drafter_version}) on http://{host}:{port}"
+        + ("" if token else " — admin API disabled (set ADAFLASH_ADMIN_TOKEN)")
+    )
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+    finally:
+        engine.stop()
+        if emitter is not None:
+            emitter.close()
+
+
+@app.command()
+def bench(
+    out: Annotated[Path, typer.Option(help="directory for results.json/.md and plots")],
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path | None, typer.Option(help="drafter directory")] = None,
+    methods: Annotated[str, typer.Option(help="comma-separated")] = "ar,dflash,adaflash",
+    concurrency: Annotated[str, typer.Option(help="comma-separated client counts")] = "1,8,32",
+    domains: Annotated[str, typer.Option(help="math,code,chat,blend")] = "math,code,chat,blend",
+    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    prompts_per_cell: Annotated[int, typer.Option(help="0: max(C, --min-prompts)")] = 0,
+    min_prompts: Annotated[int, typer.Option()] = 4,
+    gamma: Annotated[float, typer.Option()] = 1.0,
+    hf_baseline: Annotated[bool, typer.Option(help="also time transformers.generate at equal batch")] = True,
+    serve_rss: Annotated[
+        int, typer.Option(help="also measure `serve`'s peak RSS at this concurrency (0: skip)")
+    ] = 0,
+    data_dir: Annotated[Path | None, typer.Option(help="prompt sets (default ../shared/data)")] = None,
+) -> None:
+    """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
+    from adaflash.serving.bench import BenchSpec, run_bench, serve_peak_rss, write_outputs
+
+    spec = BenchSpec(
+        methods=_csv(methods),
+        concurrency=[int(c) for c in _csv(concurrency)],
+        domains=_csv(domains),
+        prompts_per_cell=prompts_per_cell,
+        min_prompts=min_prompts,
+        max_new_tokens=max_new_tokens,
+        gamma=gamma,
+        hf_baseline=hf_baseline,
+        data_dir=data_dir,
+    )
+    if any(m != "ar" for m in spec.methods) and drafter is None:
+        raise InputError("methods other than ar need --drafter DIR")
+    tgt, bundle = _load(target, drafter)
+    result = run_bench(tgt, bundle, spec, log=lambda s: err_console.print(s, markup=False, highlight=False))
+    if serve_rss:
+        from adaflash.workloads import interleave, load_prompts
+
+        texts = [p.text for p in interleave(load_prompts("heldout", data_dir))][:serve_rss]
+        log = lambda s: err_console.print(s, markup=False)  # noqa: E731
+        result["serve_rss"] = serve_peak_rss(target, drafter, texts, serve_rss, max_new_tokens, log)
+    for f in write_outputs(result, out):
+        console.print(str(f))
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

@@ -119,6 +119,9 @@ class EngineConfig:
     step_token_budget: int = 1024
     kv_budget_tokens: int | None = None
     beta: float = 0.5
+    # Also run the length head on fixed-k (dflash) blocks and record â: those rounds are not
+    # censored by k̂, so (â, accepted) pairs calibrate the head (benchmark). k̂ stays k.
+    shadow_a_hat: bool = False
 
 
 @dataclass
@@ -363,11 +366,17 @@ class Engine:
             hidden = self.dslots.draft_hidden(slots, lengths, self.model.embed(block))
             kh = torch.full((len(reqs),), k, dtype=torch.long)
             ada = [j for j, r in enumerate(reqs) if r.method == "adaflash"]
-            if ada:
-                ah = self.bundle.length_head(hidden[ada])
-                kh[ada] = verify_lengths(ah, k, self.config.gamma)
-                for j, a in zip(ada, ah.tolist(), strict=True):
+            heads = ada
+            if self.config.shadow_a_hat and self.bundle.length_head is not None:
+                heads = list(range(len(reqs)))
+            if heads:
+                ah = self.bundle.length_head(hidden[heads])
+                for j, a in zip(heads, ah.tolist(), strict=True):
                     a_hat[spec[j]] = a
+                khat_all = verify_lengths(ah, k, self.config.gamma)
+                for pos, j in enumerate(heads):
+                    if reqs[j].method == "adaflash":
+                        kh[j] = khat_all[pos]
             # A round yields at most k̂ tokens: never verify past max_tokens.
             remaining = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs])
             kh = torch.minimum(kh, remaining)

@@ -1,0 +1,558 @@
+"""`adaflash bench`: methods × concurrency × domains on ONE engine, same prompts, one run.
+
+Each cell drives the engine in-process with `concurrency` closed-loop clients (a client submits
+its next prompt as soon as its previous one finishes) over the same held-out prompts, so
+speedup = TPS(method) / TPS(ar) compares like with like. No HTTP in the loop: the bench measures
+the engine, not uvicorn. Per cell: TPS (output tokens / wall time, prefill included), speedup vs
+AR, τ (tokens per round incl. bonus), mean verified length k̂, P50/P95/P99 end-to-end latency,
+TTFT, ITL (gaps between the token *chunks* a streaming client receives: a round's accepted
+tokens arrive together) and TPOT, and how many outputs equal AR's.
+
+Also: our AR against `transformers` `generate` at equal batch on the same prompts, the peak
+RSS of the process after the grid, optionally the peak RSS of a real `adaflash serve` under
+C concurrent clients, and PNG plots (speedup vs concurrency; acceptance by block position; â vs
+a* calibration from fixed-k rounds, which are not censored by k̂).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaflash.models.checkpoint import DrafterBundle
+from adaflash.models.targets import Target
+from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+from adaflash.workloads import DOMAINS, interleave, load_prompts
+
+
+@dataclass
+class BenchSpec:
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "adaflash"])
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    domains: list[str] = field(default_factory=lambda: ["math", "code", "chat", "blend"])
+    prompts_per_cell: int = 0  # 0: max(concurrency, min_prompts)
+    min_prompts: int = 4
+    max_new_tokens: int = 64
+    gamma: float = 1.0
+    hf_baseline: bool = True
+    data_dir: Path | None = None
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def workload(target: Target, spec: BenchSpec, n: int) -> dict[str, list[tuple[str, list[int]]]]:
+    """Held-out prompts per domain (the last ones: bootstrap evaluation uses the first)."""
+    held = load_prompts("heldout", spec.data_dir)
+    tok = target.tokenizer
+    by = {d: [(p.id, tok.chat_prompt(p.text)) for p in reversed(held[d])] for d in DOMAINS}
+    out = {}
+    for d in spec.domains:
+        if d == "blend":
+            rows = interleave({k: [p for p in reversed(held[k])] for k in DOMAINS})
+            out[d] = [(p.id, tok.chat_prompt(p.text)) for p in rows[:n]]
+        else:
+            out[d] = by[d][:n]
+    return out
+
+
+def run_cell(
+    engine: Engine, prompts: list[list[int]], method: str, concurrency: int, max_new: int
+) -> tuple[dict, list[list[int]]]:
+    done: list[Request] = []
+    engine.observers.append(done.append)
+    try:
+        todo = list(prompts)
+        reqs: list[Request] = []
+        inflight = 0
+        steps = 0
+        t0 = time.perf_counter()
+        while todo or inflight:
+            while todo and inflight < concurrency:
+                reqs.append(engine.submit(Request(todo.pop(0), GenParams(max_new, 0.0, method=method))))
+                inflight += 1
+            before = len(done)
+            if engine.step() is not None:
+                steps += 1
+            inflight -= len(done) - before
+        wall = time.perf_counter() - t0
+    finally:
+        engine.observers.remove(done.append)
+    rounds = [rd for r in reqs for rd in r.rounds]
+    tokens = sum(len(r.output_ids) for r in reqs)
+    chunk_gaps: list[float] = []
+    for r in reqs:
+        times = sorted(set(r.token_times))
+        chunk_gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    tpot = [(r.e2e - r.ttft) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    e2e = [r.e2e for r in reqs]
+    ttft = [r.ttft for r in reqs]
+    cell = {
+        "method": method,
+        "concurrency": concurrency,
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "steps": steps,
+        "wall_s": wall,
+        "tps": tokens / wall,
+        "tau": sum(rd.accepted + 1 for rd in rounds) / max(len(rounds), 1),
+        "mean_verify_len": sum(rd.verify_len for rd in rounds) / max(len(rounds), 1),
+        "ttft_s": {"p50": _pct(ttft, 50), "p95": _pct(ttft, 95), "p99": _pct(ttft, 99)},
+        "e2e_s": {"p50": _pct(e2e, 50), "p95": _pct(e2e, 95), "p99": _pct(e2e, 99)},
+        "itl_s": {"p50": _pct(chunk_gaps, 50), "p95": _pct(chunk_gaps, 95), "p99": _pct(chunk_gaps, 99)},
+        "tpot_s": {"p50": _pct(tpot, 50), "p95": _pct(tpot, 95), "p99": _pct(tpot, 99)},
+        "rounds": [(rd.verify_len, rd.accepted, rd.a_hat) for rd in rounds],
+    }
+    return cell, [r.output_ids for r in reqs]
+
+
+def hf_model(target: Target):
+    """The same weights as a `transformers` model (Llama or Qwen3), for the generate() baseline."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    c = target.config
+    kw = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    )
+    cfg, cls = (
+        (Qwen3Config(**kw), Qwen3ForCausalLM) if c.arch == "qwen3" else (LlamaConfig(**kw), LlamaForCausalLM)
+    )
+    model = cls(cfg).to(target.model.dtype)
+    state = {f"model.{k}": v for k, v in target.model.state_dict().items() if not k.startswith("lm_head")}
+    state["lm_head.weight"] = target.model.lm_head.weight
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_generate_tps(model, target: Target, prompts: list[list[int]], batch: int, max_new: int) -> dict:
+    eos = list(target.tokenizer.eos_token_ids)
+    pad = eos[0] if eos else 0
+    tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos or None,
+            pad_token_id=pad,
+        )
+        for row in out[:, width:].tolist():
+            n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            tokens += n
+    wall = time.perf_counter() - t0
+    return {
+        "batch": batch,
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tps": tokens / wall,
+    }
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log=print) -> dict:
+    n_cell = {c: spec.prompts_per_cell or max(c, spec.min_prompts) for c in spec.concurrency}
+    prompts = workload(target, spec, max(n_cell.values()))
+    longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
+    engine = Engine(
+        target,
+        bundle,
+        EngineConfig(
+            method=spec.methods[-1],
+            gamma=spec.gamma,
+            max_running=max(spec.concurrency),
+            max_queue=max(spec.concurrency),
+            max_model_len=longest + spec.max_new_tokens + 1,
+            step_token_budget=max(spec.concurrency) * (bundle.config.block_size if bundle else 1),
+            shadow_a_hat=True,
+        ),
+        drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
+    )
+    # Warm-up: first calls allocate and pick kernels; keep them out of every cell.
+    for m in spec.methods:
+        run_cell(engine, [prompts[spec.domains[0]][0][1]], m, 1, 4)
+    cells = []
+    for domain in spec.domains:
+        for conc in spec.concurrency:
+            rows = [ids for _, ids in prompts[domain][: n_cell[conc]]]
+            outputs = {}
+            for method in spec.methods:
+                cell, outs = run_cell(engine, rows, method, conc, spec.max_new_tokens)
+                cell["domain"] = domain
+                outputs[method] = outs
+                if "ar" in outputs:
+                    cell["identical_to_ar"] = sum(a == b for a, b in zip(outs, outputs["ar"], strict=True))
+                cells.append(cell)
+                log(
+                    f"{domain:6s} C={conc:<3d} {method:9s} {cell['tps']:8.2f} tok/s  τ={cell['tau']:.3f}  "
+                    f"k̂={cell['mean_verify_len']:.2f}  wall={cell['wall_s']:.1f}s"
+                )
+    for c in cells:
+        ar = next(
+            (
+                x
+                for x in cells
+                if x["method"] == "ar" and x["domain"] == c["domain"] and x["concurrency"] == c["concurrency"]
+            ),
+            None,
+        )
+        c["speedup_vs_ar"] = c["tps"] / ar["tps"] if ar else None
+    result = {
+        "spec": {**asdict(spec), "data_dir": str(spec.data_dir) if spec.data_dir else None},
+        "target": target.name,
+        "drafter": str(bundle.path) if bundle is not None and bundle.path else None,
+        "block_size": bundle.config.block_size if bundle else None,
+        "dtype": str(target.model.dtype),
+        "machine": machine(),
+        "cells": cells,
+        "peak_rss_mb_after_grid": peak_rss_mb(),
+        "prompts": {d: [pid for pid, _ in rows] for d, rows in prompts.items()},
+    }
+    if spec.hf_baseline and "ar" in spec.methods:
+        log("transformers.generate baseline ...")
+        model = hf_model(target)
+        dom = "blend" if "blend" in prompts else spec.domains[0]
+        base = []
+        for conc in spec.concurrency:
+            rows = [ids for _, ids in prompts[dom][: n_cell[conc]]]
+            hf = hf_generate_tps(model, target, rows, conc, spec.max_new_tokens)
+            ours = next(
+                x for x in cells if x["method"] == "ar" and x["domain"] == dom and x["concurrency"] == conc
+            )
+            base.append({**hf, "domain": dom, "ours_ar_tps": ours["tps"], "ratio": ours["tps"] / hf["tps"]})
+            log(f"HF generate batch {conc}: {hf['tps']:.2f} tok/s vs our AR {ours['tps']:.2f}")
+        result["hf_baseline"] = base
+    return result
+
+
+def machine() -> dict:
+    import os
+
+    cpu = ""
+    try:
+        cpu = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if "model name" in ln
+            ),
+            "",
+        )
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def serve_peak_rss(
+    target: str, drafter: Path | None, prompts: list[str], concurrency: int, max_tokens: int, log=print
+) -> dict:
+    """Start a real `adaflash serve`, hit it with `concurrency` clients, read its VmHWM."""
+    import asyncio
+    import os
+
+    import httpx
+
+    from adaflash.feedback.broker import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "adaflash.cli",
+        "serve",
+        "--target",
+        target,
+        "--port",
+        str(port),
+        "--max-running",
+        str(concurrency),
+        "--max-queue",
+        str(concurrency),
+    ]
+    if drafter is not None:
+        cmd += ["--drafter", str(drafter)]
+    env = {**os.environ, "ADAFLASH_ADMIN_TOKEN": ""}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"adaflash serve exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("adaflash serve did not come up in 300 s")
+            time.sleep(0.5)
+        rss_idle = _vm(proc.pid, "VmRSS")
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=1200) as c:
+                body = {"max_tokens": max_tokens, "temperature": 0}
+                return await asyncio.gather(
+                    *(
+                        c.post(
+                            "/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": p}], **body},
+                        )
+                        for p in prompts[:concurrency]
+                    )
+                )
+
+        t0 = time.perf_counter()
+        codes = [r.status_code for r in asyncio.run(burst())]
+        wall = time.perf_counter() - t0
+        out = {
+            "concurrency": concurrency,
+            "codes": sorted(set(codes)),
+            "wall_s": wall,
+            "rss_idle_mb": rss_idle,
+            "peak_rss_mb": _vm(proc.pid, "VmHWM"),
+        }
+        log(f"serve at C={concurrency}: peak RSS {out['peak_rss_mb']:.0f} MB (idle {rss_idle:.0f} MB)")
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _vm(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# --- reporting -------------------------------------------------------------------------------------
+
+
+def _fmt(x, nd=2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(result: dict) -> str:
+    cells = result["cells"]
+    lines = [
+        f"Target `{result['target']}` ({result['dtype']}), drafter `{result['drafter']}` "
+        f"(k = {result['block_size']}), "
+        f"greedy, max {result['spec']['max_new_tokens']} new tokens, γ = {result['spec']['gamma']}.",
+        f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, "
+        f"{result['machine']['torch_threads']} torch thread(s), torch {result['machine']['torch']}.",
+        "",
+        "| domain | C | method | req | tok/s | speedup | τ | mean k̂ | e2e P50/P95/P99 s | TTFT P50/P95/P99 s "
+        "| ITL P50/P95/P99 ms | TPOT P50 ms | = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        e, t, i = c["e2e_s"], c["ttft_s"], c["itl_s"]
+        lines.append(
+            f"| {c['domain']} | {c['concurrency']} | {c['method']} | {c['requests']} | {c['tps']:.2f} | "
+            f"{_fmt(c['speedup_vs_ar'])}x | {c['tau']:.3f} | {c['mean_verify_len']:.2f} | "
+            f"{_fmt(e['p50'])}/{_fmt(e['p95'])}/{_fmt(e['p99'])} | "
+            f"{_fmt(t['p50'])}/{_fmt(t['p95'])}/{_fmt(t['p99'])} | "
+            f"{_fmt(_ms(i['p50']), 0)}/{_fmt(_ms(i['p95']), 0)}/{_fmt(_ms(i['p99']), 0)} | "
+            f"{_fmt(_ms(c['tpot_s']['p50']), 0)} | {c.get('identical_to_ar', '–')}/{c['requests']} |"
+        )
+    lines += ["", "Acceptance targets:", ""]
+    lines += [f"- {line}" for line in targets(result)]
+    if result.get("hf_baseline"):
+        lines += [
+            "",
+            "| batch | domain | transformers.generate tok/s | our AR tok/s | ours / HF |",
+            "|---|---|---|---|---|",
+        ]
+        for b in result["hf_baseline"]:
+            lines.append(
+                f"| {b['batch']} | {b['domain']} | {b['tps']:.2f} | {b['ours_ar_tps']:.2f} | "
+                f"{b['ratio']:.2f}x |"
+            )
+    lines += ["", f"Peak RSS of the bench process after the grid: {result['peak_rss_mb_after_grid']:.0f} MB."]
+    if result.get("serve_rss"):
+        s = result["serve_rss"]
+        lines.append(
+            f"Peak RSS of `adaflash serve` under {s['concurrency']} concurrent clients: "
+            f"{s['peak_rss_mb']:.0f} MB "
+            f"(idle after load: {s['rss_idle_mb']:.0f} MB; status codes {s['codes']})."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ms(x):
+    return None if x is None else x * 1e3
+
+
+def targets(result: dict) -> list[str]:
+    """The issue's benchmark targets, cell by cell: met or MISSED."""
+    cells = result["cells"]
+    get = {(c["domain"], c["concurrency"], c["method"]): c for c in cells}
+    out = []
+    for (d, conc, m), c in sorted(get.items()):
+        if m != "adaflash" or (d, conc, "dflash") not in get:
+            continue
+        df = get[(d, conc, "dflash")]
+        ok = c["tps"] >= df["tps"]
+        out.append(
+            f"AdaFlash ≥ DFlash, {d} C={conc}: {c['tps']:.2f} vs {df['tps']:.2f} tok/s — "
+            f"{'met' if ok else 'MISSED'}"
+        )
+    for d in ("math", "code"):
+        c, ar = get.get((d, 32, "adaflash")), get.get((d, 32, "ar"))
+        if c and ar:
+            ok = c["tps"] > ar["tps"]
+            out.append(
+                f"AdaFlash > AR at C=32, {d}: {c['tps']:.2f} vs {ar['tps']:.2f} tok/s — "
+                f"{'met' if ok else 'MISSED'}"
+            )
+    for b in result.get("hf_baseline", []):
+        ok = b["ratio"] >= 1
+        out.append(
+            f"our AR ≥ transformers.generate at batch {b['batch']}: {b['ours_ar_tps']:.2f} vs "
+            f"{b['tps']:.2f} tok/s — {'met' if ok else 'MISSED'}"
+        )
+    return out
+
+
+def plots(result: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result["cells"]
+    domains = list(dict.fromkeys(c["domain"] for c in cells))
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    files = []
+
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), sharey=True, squeeze=False)
+    for ax, d in zip(axes[0], domains, strict=True):
+        for m in methods:
+            pts = sorted(
+                (c["concurrency"], c["speedup_vs_ar"]) for c in cells if c["domain"] == d and c["method"] == m
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(d)
+        ax.set_xlabel("concurrency")
+    axes[0][0].set_ylabel("speedup vs AR (TPS)")
+    axes[0][-1].legend()
+    fig.tight_layout()
+    files.append(out / "speedup_vs_concurrency.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for m in methods:
+        ver: dict[int, int] = {}
+        acc: dict[int, int] = {}
+        for c in cells:
+            if c["method"] != m:
+                continue
+            for k, a, _ in c["rounds"]:
+                for pos in range(1, k):
+                    ver[pos] = ver.get(pos, 0) + 1
+                    acc[pos] = acc.get(pos, 0) + (pos <= a)
+        if ver:
+            xs = sorted(ver)
+            ax.plot(xs, [acc[x] / ver[x] for x in xs], marker="o", label=m)
+    ax.set_xlabel("block position")
+    ax.set_ylabel("P(accepted | verified)")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    files.append(out / "acceptance_by_position.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    k = result.get("block_size") or 1
+    pairs = [
+        (ah, (a + 1) / k)
+        for c in cells
+        if c["method"] == "dflash"
+        for kk, a, ah in c["rounds"]
+        if ah is not None
+    ]
+    fig, ax = plt.subplots(figsize=(4.2, 4))
+    if pairs:
+        ah = np.array([p[0] for p in pairs])
+        astar = np.array([p[1] for p in pairs])
+        bins = np.linspace(0, 1, 11)
+        idx = np.clip(np.digitize(ah, bins) - 1, 0, 9)
+        xs = [ah[idx == b].mean() for b in range(10) if (idx == b).any()]
+        ys = [astar[idx == b].mean() for b in range(10) if (idx == b).any()]
+        ax.scatter(ah, astar, s=4, alpha=0.2, label=f"rounds ({len(pairs)})")
+        ax.plot(xs, ys, marker="o", color="C1", label="binned mean")
+    ax.plot([0, 1], [0, 1], color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("â (length head)")
+    ax.set_ylabel("a* = (accepted + 1) / k (fixed-k rounds)")
+    ax.legend()
+    fig.tight_layout()
+    files.append(out / "calibration.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def write_outputs(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    slim = {**result, "cells": [{k: v for k, v in c.items() if k != "rounds"} for c in result["cells"]]}
+    # Rounds are kept in a side file: they feed the plots and calibration, and are large.
+    (out / "results.json").write_text(json.dumps(slim, indent=2))
+    (out / "rounds.json").write_text(
+        json.dumps(
+            [
+                {
+                    "domain": c["domain"],
+                    "concurrency": c["concurrency"],
+                    "method": c["method"],
+                    "rounds": c["rounds"],
+                }
+                for c in result["cells"]
+            ]
+        )
+    )
+    (out / "results.md").write_text(markdown(result))
+    return [out / "results.json", out / "rounds.json", out / "results.md", *plots(result, out)]
