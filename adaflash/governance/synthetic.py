@@ -189,9 +189,13 @@ class TrafficGenerator:
         tenants: int = 20,
         start: datetime | None = None,
         seconds_per_record: float = 0.5,
+        outputs: list[str] | None = None,
+        min_output_chars: int = 0,
     ) -> None:
         self.vocab = vocab
         self.base = base_prompts
+        self.outputs = outputs or FILLER_OUTPUTS
+        self.min_output_chars = min_output_chars  # join real answers until the output is this long
         self.rng = random.Random(seed)
         self.tenants = [f"tenant-{i:02d}" for i in range(tenants)]
         self.clock = start or datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
@@ -203,7 +207,9 @@ class TrafficGenerator:
         rng, tok = self.rng, self.vocab.tokenizer
         canaries: list[tuple[str, str]] = []
         prompt = prompt if prompt is not None else rng.choice(self.base)
-        output = rng.choice(FILLER_OUTPUTS)
+        output = rng.choice(self.outputs)
+        while len(output) < self.min_output_chars:
+            output += "\n\n" + rng.choice(self.outputs)
         if pii:
             for where in ("prompt", "output"):
                 ent = rng.choice(list(CANARIES))
