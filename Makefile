@@ -45,3 +45,14 @@ bootstrap: setup
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
+
+# -- serving (issue 3) -----------------------------------------------------------------------------
+.PHONY: serve bench-serving
+DRAFTER ?= drafters/smollm2-bootstrap
+
+serve: setup
+	$(VENV)/bin/adaflash serve --target smollm2 --drafter $(DRAFTER) --port 8000
+
+# The serving benchmark of BENCHMARKS.md (~30 min on 2 cores with one torch thread).
+bench-serving: setup
+	ADAFLASH_THREADS=1 $(PY) scripts/bench_serving.py --drafter $(DRAFTER) --out benchmarks/serving

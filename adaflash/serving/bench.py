@@ -306,8 +306,7 @@ def serve_peak_rss(
         "--max-queue",
         str(concurrency),
     ]
-    if drafter is not None:
-        cmd += ["--drafter", str(drafter)]
+    cmd += ["--drafter", str(drafter)] if drafter is not None else ["--method", "ar"]
     env = {**os.environ, "ADAFLASH_ADMIN_TOKEN": ""}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

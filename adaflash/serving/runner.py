@@ -75,7 +75,7 @@ class _AttnGroup:
     slots: torch.Tensor  # [R]
     width: int
     span: int
-    mask: torch.Tensor  # [R, 1, W, span]
+    mask: torch.Tensor | None  # [R, 1, W, span]
 
 
 def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
@@ -94,6 +94,8 @@ def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
         # query rows (w >= len) still see position 0..start, so no row is all -inf (no NaNs).
         qpos = starts[:, None] + torch.arange(width)[None, :]
         mask = (torch.arange(span)[None, None, :] <= qpos[:, :, None])[:, None]
+        if len(members) == 1 and width == 1:
+            mask = None  # a lone decode token sees its whole slot: let SDPA take its unmasked path
         groups.append(_AttnGroup(rows, seg, within, batch.slots[idx], width, span, mask))
     return groups
 
@@ -156,8 +158,12 @@ class PackedRunner:
             R = g.slots.numel()
             qp = q.new_zeros(R, g.width, c.num_heads, c.head_dim)
             qp[g.seg, g.within] = q[g.rows]
-            kp = ck[:, :, : g.span].index_select(0, g.slots)
-            vp = cv[:, :, : g.span].index_select(0, g.slots)
+            if R == 1:  # one request: its slot is a view, no gather copy
+                slot = int(g.slots[0])
+                kp, vp = ck[slot : slot + 1, :, : g.span], cv[slot : slot + 1, :, : g.span]
+            else:
+                kp = ck[:, :, : g.span].index_select(0, g.slots)
+                vp = cv[:, :, : g.span].index_select(0, g.slots)
             o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, vp, attn_mask=g.mask, enable_gqa=True)
             out[g.rows] = o.transpose(1, 2)[g.seg, g.within]
         return attn.o_proj(out.reshape(N, -1))
