@@ -531,7 +531,7 @@ def bench(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # returns typer.Exit's code instead of exiting
     except AdaFlashError as e:
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
         sys.exit(2)
@@ -545,6 +545,8 @@ def main() -> None:
             e.show()
             sys.exit(e.exit_code)
         raise
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,15 @@ class _Stats:
     send_errors: int = 0
     connected: bool = False
     extra: dict = field(default_factory=dict)
+
+
+def _reachable(address: str) -> bool:
+    host, _, port = address.strip().rpartition(":")
+    try:
+        with socket.create_connection((host or "localhost", int(port)), timeout=0.5):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 class FeedbackProducer:
@@ -145,6 +155,10 @@ class FeedbackProducer:
         if time.monotonic() < self._next_connect:
             return False
         self._next_connect = time.monotonic() + self.config.retry_seconds
+        # kafka-python spends ~30 s failing to bootstrap from a dead address; a TCP probe is instant.
+        if not any(_reachable(a) for a in self.config.bootstrap_servers.split(",")):
+            self._stats.connected = False
+            return False
         from kafka import KafkaProducer
         from kafka.errors import KafkaError
 
@@ -214,7 +228,11 @@ class FeedbackProducer:
             keep.append(line)
         if len(keep) < len(lines):
             refused = len(lines) - len(keep)
-            log.error("feedback spool full (%d bytes): refused %d records", self.spool_bytes(), refused)
+            log.error(
+                "feedback spool full (limit %d bytes): refused %d records",
+                self.config.max_spool_bytes,
+                refused,
+            )
         if not keep:
             return
         self._seq += 1
