@@ -438,6 +438,7 @@ def serve(
     max_model_len: Annotated[int, typer.Option(help="per-request prompt + max_tokens")] = 2048,
     step_token_budget: Annotated[int, typer.Option(help="verify tokens one step may pack")] = 1024,
     beta: Annotated[float, typer.Option(help="EMA weight of admission's N̂")] = 0.5,
+    probe_every: Annotated[int, typer.Option(help="after k̂=1, skip the drafter for N-1 rounds")] = 1,
     bootstrap_servers: Annotated[
         str | None, typer.Option("--bootstrap-servers", help="Kafka for feedback records (none: no feedback)")
     ] = None,
@@ -460,7 +461,16 @@ def serve(
     tgt, bundle = _load(target, drafter)
     if bundle is None and method != "ar":
         raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar)")
-    cfg = EngineConfig(method, gamma, max_running, max_queue, max_model_len, step_token_budget, None, beta)
+    cfg = EngineConfig(
+        method=method,
+        gamma=gamma,
+        max_running=max_running,
+        max_queue=max_queue,
+        max_model_len=max_model_len,
+        step_token_budget=step_token_budget,
+        beta=beta,
+        probe_every=probe_every,
+    )
     engine = Engine(tgt, bundle, cfg, drafter_version(bundle, drafter) if bundle else None)
     emitter = None
     if bootstrap_servers:
@@ -495,6 +505,7 @@ def bench(
     prompts_per_cell: Annotated[int, typer.Option(help="0: max(C, --min-prompts)")] = 0,
     min_prompts: Annotated[int, typer.Option()] = 4,
     gamma: Annotated[float, typer.Option()] = 1.0,
+    probe_every: Annotated[int, typer.Option(help="after k̂=1, skip the drafter for N-1 rounds")] = 1,
     hf_baseline: Annotated[bool, typer.Option(help="also time transformers.generate at equal batch")] = True,
     serve_rss: Annotated[
         int, typer.Option(help="also measure `serve`'s peak RSS at this concurrency (0: skip)")
@@ -512,6 +523,7 @@ def bench(
         min_prompts=min_prompts,
         max_new_tokens=max_new_tokens,
         gamma=gamma,
+        probe_every=probe_every,
         hf_baseline=hf_baseline,
         data_dir=data_dir,
     )

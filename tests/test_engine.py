@@ -219,3 +219,14 @@ def test_hot_reload_is_lossless_and_bad_checkpoints_are_rejected(tiny64, trained
     engine.run_until_idle()
     assert engine.drafter_version == "B" and engine.reloads == 1
     assert [r.output_ids for r in again] == ar_ref[:4]
+
+
+def test_probe_policy_skips_the_drafter_after_khat_one(tiny64, trained, ar_ref):
+    # γ = 0.1 makes every head verdict k̂ = 1: the drafter then runs one round in three.
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash", gamma=0.1, probe_every=3), "v1")
+    reqs = _run(engine, PROMPTS)
+    assert [r.output_ids for r in reqs] == ar_ref
+    for r in reqs:
+        assert all(rd.verify_len == 1 for rd in r.rounds)
+        drafted = [rd.a_hat is not None for rd in r.rounds]
+        assert drafted == [i % 3 == 0 for i in range(len(drafted))]

@@ -43,6 +43,7 @@ class BenchSpec:
     min_prompts: int = 4
     max_new_tokens: int = 64
     gamma: float = 1.0
+    probe_every: int = 1  # EngineConfig.probe_every (1 = the published method)
     hf_baseline: bool = True
     data_dir: Path | None = None
 
@@ -76,7 +77,7 @@ def run_cell(
         reqs: list[Request] = []
         inflight = 0
         steps = 0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         while todo or inflight:
             while todo and inflight < concurrency:
                 reqs.append(engine.submit(Request(todo.pop(0), GenParams(max_new, 0.0, method=method))))
@@ -86,6 +87,7 @@ def run_cell(
                 steps += 1
             inflight -= len(done) - before
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
     finally:
         engine.observers.remove(done.append)
     rounds = [rd for r in reqs for rd in r.rounds]
@@ -104,6 +106,8 @@ def run_cell(
         "output_tokens": tokens,
         "steps": steps,
         "wall_s": wall,
+        # CPU seconds / wall seconds of this process: < torch threads means something else ran.
+        "cpu_share": cpu / wall,
         "tps": tokens / wall,
         "tau": sum(rd.accepted + 1 for rd in rounds) / max(len(rounds), 1),
         "mean_verify_len": sum(rd.verify_len for rd in rounds) / max(len(rounds), 1),
@@ -150,7 +154,7 @@ def hf_generate_tps(model, target: Target, prompts: list[list[int]], batch: int,
     eos = list(target.tokenizer.eos_token_ids)
     pad = eos[0] if eos else 0
     tokens = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         width = max(len(p) for p in chunk)
@@ -168,11 +172,14 @@ def hf_generate_tps(model, target: Target, prompts: list[list[int]], batch: int,
             n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
             tokens += n
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     return {
         "batch": batch,
         "requests": len(prompts),
         "output_tokens": tokens,
         "wall_s": wall,
+        # CPU seconds / wall seconds of this process: < torch threads means something else ran.
+        "cpu_share": cpu / wall,
         "tps": tokens / wall,
     }
 
@@ -196,6 +203,7 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
             max_model_len=longest + spec.max_new_tokens + 1,
             step_token_budget=max(spec.concurrency) * (bundle.config.block_size if bundle else 1),
             shadow_a_hat=True,
+            probe_every=spec.probe_every,
         ),
         drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
     )
@@ -216,7 +224,8 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
                 cells.append(cell)
                 log(
                     f"{domain:6s} C={conc:<3d} {method:9s} {cell['tps']:8.2f} tok/s  τ={cell['tau']:.3f}  "
-                    f"k̂={cell['mean_verify_len']:.2f}  wall={cell['wall_s']:.1f}s"
+                    f"k̂={cell['mean_verify_len']:.2f}  wall={cell['wall_s']:.1f}s  "
+                    f"cpu={cell['cpu_share']:.2f}"
                 )
     for c in cells:
         ar = next(
@@ -377,7 +386,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"Target `{result['target']}` ({result['dtype']}), drafter `{result['drafter']}` "
         f"(k = {result['block_size']}), "
-        f"greedy, max {result['spec']['max_new_tokens']} new tokens, γ = {result['spec']['gamma']}.",
+        f"greedy, max {result['spec']['max_new_tokens']} new tokens, γ = {result['spec']['gamma']}, "
+        f"probe_every = {result['spec']['probe_every']}.",
         f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, "
         f"{result['machine']['torch_threads']} torch thread(s), torch {result['machine']['torch']}.",
         "",

@@ -89,6 +89,7 @@ class Request:
     finish_reason: str | None = None
     drafter_version: str | None = None
     block_size: int = 1  # the serving drafter's k (1 for `ar`)
+    skip_drafts: int = 0  # rounds left to run without drafting (probe policy)
     cancelled: bool = False
     generator: torch.Generator | None = None
 
@@ -122,6 +123,11 @@ class EngineConfig:
     # Also run the length head on fixed-k (dflash) blocks and record â: those rounds are not
     # censored by k̂, so (â, accepted) pairs calibrate the head (benchmark). k̂ stays k.
     shadow_a_hat: bool = False
+    # Probe policy for weak drafters: after an adaflash round whose head chose k̂ = 1, the next
+    # probe_every − 1 rounds of that request skip the drafter and run as plain AR rounds (the
+    # block forward costs more than a 1-token verify at high concurrency). 1 = draft every round
+    # (the method as published).
+    probe_every: int = 1
 
 
 @dataclass
@@ -289,7 +295,8 @@ class Engine:
             Segment(r.slot, r.kv_len, toks) for r, toks in zip(decoding, plan.verify_tokens, strict=True)
         ]
         batch = PackedBatch.build(segments)
-        capture = tuple(self.bundle.config.target_layer_ids) if self.bundle else ()
+        speculating = any(r.method != "ar" for r in admitted + decoding)
+        capture = tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
         hidden, features = self.runner.forward(batch, capture)
         stats.target_rows = batch.num_rows
         stats.prefill_tokens = sum(len(r.prompt_ids) for r in admitted)
@@ -302,7 +309,9 @@ class Engine:
         if admitted:
             last_rows = batch.cu[1 : n_pre + 1] - 1
             first = self._sample_first(admitted, self.model.logits(hidden[last_rows]))
-            committed_rows.append(torch.arange(int(batch.cu[n_pre])))  # every prompt token
+            for j, r in enumerate(admitted):  # every prompt token (ar requests need no context)
+                if r.method != "ar":
+                    committed_rows.append(torch.arange(int(batch.cu[j]), int(batch.cu[j + 1])))
             for r, tok in zip(admitted, first, strict=True):
                 r.kv_len = len(r.prompt_ids)
                 self._emit(r, [tok], now)
@@ -316,7 +325,8 @@ class Engine:
             for i, r in enumerate(decoding):
                 acc = accepted[i]
                 seg = n_pre + i
-                committed_rows.append(torch.arange(int(batch.cu[seg]), int(batch.cu[seg]) + acc + 1))
+                if r.method != "ar":
+                    committed_rows.append(torch.arange(int(batch.cu[seg]), int(batch.cu[seg]) + acc + 1))
                 r.rounds.append(RoundStat(len(r.output_ids) - 1, plan.khat[i], acc, plan.a_hat[i]))
                 r.kv_len += acc + 1
                 new = plan.drafts[int(doff[i]) : int(doff[i]) + acc].tolist() + [nxt[i]]
@@ -354,7 +364,14 @@ class Engine:
         a_hat: list[float | None] = [None] * n
         drafts_per: list[list[int]] = [[] for _ in range(n)]
         probs_per: list[torch.Tensor | None] = [None] * n
-        spec = [i for i, r in enumerate(decoding) if r.method != "ar"]
+        spec = []
+        for i, r in enumerate(decoding):
+            if r.method == "ar":
+                continue
+            if r.skip_drafts > 0:
+                r.skip_drafts -= 1  # an AR round: k̂ = 1, no draft
+                continue
+            spec.append(i)
         if spec and self.bundle is not None:
             d = self.bundle.drafter
             k = d.block_size
@@ -377,6 +394,8 @@ class Engine:
                 for pos, j in enumerate(heads):
                     if reqs[j].method == "adaflash":
                         kh[j] = khat_all[pos]
+                        if kh[j] == 1:
+                            reqs[j].skip_drafts = self.config.probe_every - 1
             # A round yields at most k̂ tokens: never verify past max_tokens.
             remaining = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs])
             kh = torch.minimum(kh, remaining)
@@ -529,7 +548,11 @@ class Engine:
         # The context cache belongs to the drafter (its fc and k/v projections): rebuild it for
         # in-flight requests from their committed tokens' target features. The target K/V
         # rewritten on the way are the same values at the same positions.
-        live = [r for r in self.scheduler.running.values() if r.status is Status.RUNNING and r.kv_len > 0]
+        live = [
+            r
+            for r in self.scheduler.running.values()
+            if r.status is Status.RUNNING and r.kv_len > 0 and r.method != "ar"
+        ]
         if not live:
             return
         committed = [(r.prompt_ids + r.output_ids)[: r.kv_len] for r in live]

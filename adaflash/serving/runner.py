@@ -5,9 +5,10 @@ verify (anchor + k̂−1 drafts) — each writing into the request's own slot of
 cache `[layers, slots, kv_heads, capacity, head_dim]`. Every linear layer (q/k/v/o projections,
 MLP, norms) runs once over the concatenation of all segments' tokens, Σ n_i rows with no padding
 to k. Attention is the only per-request operation: each query sees its own slot's keys up to its
-absolute position. Short segments (decode/verify) share one SDPA call over a gathered
-`[R, kv_heads, span, D]` view of their slots with a block-causal mask; long ones (prefills) get
-their own call so one 300-token prompt does not pad thirty 4-token verifies to 300 rows.
+absolute position. Short segments (decode/verify) share an SDPA call over a gathered
+`[R, kv_heads, span, D]` view of their slots with a block-causal mask, bucketed by context length
+so that padding to the group's longest span stays bounded; long ones (prefills) get their own
+call so one 300-token prompt does not pad thirty 4-token verifies to 300 rows.
 Rejected drafts need no cleanup: their K/V sit past the request's committed length and are
 overwritten by the next step (attention is causal on absolute positions).
 
@@ -78,11 +79,29 @@ class _AttnGroup:
     mask: torch.Tensor | None  # [R, 1, W, span]
 
 
+def _span_buckets(ends: list[tuple[int, int]]) -> list[list[int]]:
+    """Split (end position, segment) pairs into groups whose spans are within ~1.5x of each other.
+
+    A group's gathered keys are padded to its longest span: one 1,800-token request in a batch of
+    100-token ones would otherwise make every request attend over (and copy) 1,800 positions.
+    """
+    buckets: list[list[int]] = []
+    first_end = 0
+    for end, i in sorted(ends):
+        if not buckets or end > 1.5 * first_end + 64:
+            buckets.append([])
+            first_end = end
+        buckets[-1].append(i)
+    return buckets
+
+
 def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
-    short = [i for i in range(batch.lengths.numel()) if int(batch.lengths[i]) <= LONG_SEGMENT]
-    long = [i for i in range(batch.lengths.numel()) if int(batch.lengths[i]) > LONG_SEGMENT]
+    ends = (batch.starts + batch.lengths).tolist()
+    lens = batch.lengths.tolist()
+    short = [(ends[i], i) for i in range(len(lens)) if lens[i] <= LONG_SEGMENT]
+    long = [[i] for i in range(len(lens)) if lens[i] > LONG_SEGMENT]
     groups = []
-    for members in ([short] if short else []) + [[i] for i in long]:
+    for members in _span_buckets(short) + long:
         idx = torch.tensor(members, dtype=torch.long)
         lens, starts = batch.lengths[idx], batch.starts[idx]
         width = int(lens.max())

@@ -1,0 +1,55 @@
+"""`adaflash bench` on the tiny target: one engine, every method on the same prompts, the report
+files, the transformers baseline, and the real `adaflash serve` process for the RSS figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adaflash.serving.bench import BenchSpec, hf_model, run_bench, serve_peak_rss, write_outputs
+from adaflash.workloads import default_data_dir
+from tests.conftest import make_bundle
+
+pytestmark = pytest.mark.skipif(
+    not (default_data_dir() / "gsm8k").is_dir(), reason="needs the prompt sets (README 'Workloads')"
+)
+
+
+def test_bench_grid_report_and_plots(tiny64, tmp_path):
+    import torch
+
+    bundle = make_bundle(tiny64, block_size=4)
+    spec = BenchSpec(concurrency=[1, 3], domains=["math", "blend"], max_new_tokens=8, min_prompts=3)
+    result = run_bench(tiny64, bundle, spec, log=lambda s: None)
+    cells = result["cells"]
+    assert len(cells) == 3 * 2 * 2
+    for c in cells:
+        assert c["requests"] == 3 and c["output_tokens"] > 0 and c["tps"] > 0
+        assert c["identical_to_ar"] == c["requests"]  # same prompts, lossless (float64)
+        assert 1 <= c["mean_verify_len"] <= (1 if c["method"] == "ar" else 4)
+        assert c["e2e_s"]["p50"] <= c["e2e_s"]["p99"] and c["ttft_s"]["p50"] > 0
+        if c["method"] == "ar":
+            assert c["speedup_vs_ar"] == 1.0
+        if c["method"] == "dflash":
+            assert all(a_hat is not None for _, _, a_hat in c["rounds"])  # calibration data
+    assert [b["batch"] for b in result["hf_baseline"]] == [1, 3]
+    assert all(b["tps"] > 0 and b["domain"] == "blend" for b in result["hf_baseline"])
+    files = write_outputs(result, tmp_path)
+    assert all(f.exists() and f.stat().st_size > 0 for f in files)
+    md = (tmp_path / "results.md").read_text()
+    assert "| math | 3 | adaflash |" in md and "AdaFlash ≥ DFlash, math C=3" in md
+    assert "transformers.generate" in md
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert "rounds" not in saved["cells"][0] and saved["machine"]["torch_threads"] >= 1
+    # The transformers copy computes the same function as our runner.
+    hf = hf_model(tiny64)
+    ids = torch.tensor([[256, 1, 2, 3]])
+    ours = tiny64.model.logits(tiny64.model(ids, tiny64.model.new_cache(1, 8)).hidden)
+    # HF builds RoPE tables in fp32 even for a float64 model: agreement to ~1e-5, not 1e-12.
+    torch.testing.assert_close(hf(ids).logits, ours, rtol=1e-3, atol=1e-4)
+
+
+def test_serve_cli_peak_rss(tiny32):
+    out = serve_peak_rss("tiny", None, ["a", "b", "c"], 3, 8, log=lambda s: None)
+    assert out["codes"] == [200] and out["peak_rss_mb"] >= out["rss_idle_mb"] > 0
