@@ -8,6 +8,7 @@ character spans that were replaced, and the anonymizer only reports positions in
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -176,6 +177,8 @@ class PiiScrubber:
     ) -> None:
         # tldextract (used by the URL/email recognizers) would fetch the public-suffix list.
         os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
+        # Presidio warns once per unmapped spaCy label per text (CARDINAL, ORDINAL...): noise.
+        logging.getLogger("presidio-analyzer").setLevel(logging.ERROR)
         try:
             from presidio_analyzer import AnalyzerEngine, BatchAnalyzerEngine, Pattern, PatternRecognizer
             from presidio_analyzer.nlp_engine import NlpEngineProvider
