@@ -77,13 +77,19 @@ def test_broker_cli(tmp_path):
     out = subprocess.run([*cli, "start", "--port", port], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     try:
-        st = subprocess.run([*cli, "status", "--port", port], env=env, capture_output=True, text=True, timeout=60)
+        st = subprocess.run(
+            [*cli, "status", "--port", port], env=env, capture_output=True, text=True, timeout=60
+        )
         assert st.returncode == 0
         assert topics.RAW in st.stdout
     finally:
-        stop = subprocess.run([*cli, "stop", "--port", port], env=env, capture_output=True, text=True, timeout=60)
+        stop = subprocess.run(
+            [*cli, "stop", "--port", port], env=env, capture_output=True, text=True, timeout=60
+        )
     assert "broker stopped" in stop.stdout
-    down = subprocess.run([*cli, "status", "--port", port], env=env, capture_output=True, text=True, timeout=60)
+    down = subprocess.run(
+        [*cli, "status", "--port", port], env=env, capture_output=True, text=True, timeout=60
+    )
     assert down.returncode == 1
 
 
@@ -120,7 +126,10 @@ def test_producer_spools_while_broker_down_then_replays_exactly_once(tmp_path):
 def test_spool_is_bounded(tmp_path):
     producer = FeedbackProducer(
         ProducerConfig(
-            bootstrap_servers=f"127.0.0.1:{free_port()}", spool_dir=tmp_path, max_spool_bytes=2000, retry_seconds=5
+            bootstrap_servers=f"127.0.0.1:{free_port()}",
+            spool_dir=tmp_path,
+            max_spool_bytes=2000,
+            retry_seconds=5,
         )
     )
     for i in range(30):
