@@ -44,7 +44,7 @@ bootstrap: setup
 	$(VENV)/bin/adaflash drafter bootstrap --target smollm2 --out drafters/smollm2-bootstrap --budget-minutes $(BUDGET)
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache .adaflash
 
 # -- serving (issue 3) -----------------------------------------------------------------------------
 .PHONY: serve bench-serving
@@ -56,3 +56,15 @@ serve: setup
 # The serving benchmark of BENCHMARKS.md (~30 min on 2 cores with one torch thread).
 bench-serving: setup
 	ADAFLASH_THREADS=1 $(PY) scripts/bench_serving.py --drafter $(DRAFTER) --out benchmarks/serving
+
+# -- feedback bus + governance (issue 4) -------------------------------------------------------------
+.PHONY: broker governance bench-governance
+broker: setup
+	$(VENV)/bin/adaflash broker start
+
+governance: setup
+	$(VENV)/bin/adaflash governance run --target smollm2
+
+# Governance throughput, stage profile, PII recall and false positives of BENCHMARKS.md (~3 min).
+bench-governance: setup
+	$(VENV)/bin/adaflash governance bench --target smollm2 --records 600 --workers 2 --out benchmarks/governance

@@ -346,3 +346,29 @@ def test_sigkill_mid_batch_loses_and_duplicates_nothing(tmp_path, vocab, base_pr
     totals = store.totals()
     assert totals["clean"] == len(items)  # each record governed into the store exactly once
     assert totals["in"] == totals["clean"] + totals["quarantined"] + totals["duplicate"]
+
+
+@pytest.mark.smollm2
+def test_scrubbed_records_stay_trainable_for_smollm2(tmp_path, scrubber, base_prompts):
+    """The real target's byte-level BPE: scrubbed ids decode to the scrubbed text, rounds stay inside."""
+    vocab = load_vocabulary("smollm2")
+    gen = TrafficGenerator(vocab, base_prompts, seed=31, min_output_chars=300)
+    items = [gen.normal(pii_fraction=1.0) for _ in range(150)]
+    out = _governor(tmp_path, vocab, scrubber).govern(_messages(items))
+    assert len(out.clean) == len(items)
+    blob = "\n".join(c.model_dump_json() for c in out.clean)
+    assert not [v for m in items for _, v in m.planted.canaries if v in blob]
+    tok = vocab.tokenizer
+    kept = total = 0
+    for c in out.clean:
+        r = c.record
+        assert max(r.prompt_token_ids + r.output_token_ids) < vocab.vocab_size
+        assert (
+            tok.decode(r.prompt_token_ids) == r.prompt_text
+            and tok.decode(r.output_token_ids) == r.output_text
+        )
+        for rd in r.rounds:
+            assert rd.start + rd.accepted + 1 <= len(r.output_token_ids)
+        kept += len(r.rounds)
+    total = sum(len(json.loads(m.value)["rounds"]) for m in items)
+    assert kept > 0.6 * total  # only rounds touching a scrubbed span are dropped
