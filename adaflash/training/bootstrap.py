@@ -22,12 +22,13 @@ from adaflash.errors import AdaFlashError
 from adaflash.models.checkpoint import DrafterMeta, load_drafter, save_drafter
 from adaflash.models.drafter import Drafter
 from adaflash.models.factory import new_drafter
-from adaflash.models.length_head import LengthHead, acceptance_label
+from adaflash.models.length_head import LengthHead
 from adaflash.models.targets import Target
 from adaflash.reporting import plot_tau_vs_budget
-from adaflash.training.blocks import SequencePass, accepted_prefix, block_hidden, sequence_pass
+from adaflash.training.blocks import SequencePass, sequence_pass
 from adaflash.training.evaluate import evaluate_acceptance
-from adaflash.training.losses import LossName, drafter_loss, position_weights
+from adaflash.training.losses import LossName, position_weights
+from adaflash.training.objective import Objective, block_objective
 from adaflash.training.responses import Response, ensure_responses, responses_path
 from adaflash.workloads import interleave, load_prompts
 
@@ -103,6 +104,7 @@ class BootstrapTrainer:
         )
         self.state = TrainState()
         self.weights = position_weights(cfg.block_size, cfg.position_decay)
+        self.objective = Objective(cfg.loss, cfg.alpha, cfg.delta)
         self._resume()
 
     # --- setup --------------------------------------------------------------------------
@@ -190,7 +192,6 @@ class BootstrapTrainer:
 
     def _train_step(self, batch: list[Response]) -> dict:
         c = self.cfg
-        k = c.block_size
         self.drafter.train()
         passes = sequence_pass(
             self.target.model,
@@ -207,21 +208,10 @@ class BootstrapTrainer:
             # Anchors at response positions: the decoder's first anchor is the first response token.
             pool = torch.arange(P, L - 1)
             anchors = pool[torch.randperm(pool.numel())[: c.anchors_per_seq]].sort().values
-            hidden, labels, positions = block_hidden(self.drafter, self.target.model, sp, anchors)
-            valid = labels >= 0
-            logits = self.target.model.logits(hidden[:, 1:][valid])
-            teacher = sp.teacher_logprobs[(positions[:, 1:] - 1)[valid]]
-            per_row = drafter_loss(c.loss, logits, teacher, c.alpha, c.delta)
-            w = self.weights[None, :].expand_as(labels)[valid]
-            loss = (per_row * w).sum() / w.sum()
-            # Uncensored length-head labels: acceptance of the full block against the target.
-            with torch.no_grad():
-                pred = torch.full_like(labels, -2)
-                pred[valid] = logits.argmax(-1)
-                x_star = torch.full_like(labels, -1)
-                x_star[valid] = teacher.argmax(-1)
-                label = acceptance_label(accepted_prefix(pred, x_star), k)
-            head_loss = torch.nn.functional.mse_loss(self.head(hidden), label.to(hidden.dtype))
+            out = block_objective(
+                self.drafter, self.head, self.target.model, sp, anchors, self.objective, self.weights
+            )
+            loss, head_loss = out.drafter, out.head
             ((loss + head_loss) / len(batch)).backward()
             total_loss += loss.item()
             total_head += head_loss.item()

@@ -1,0 +1,146 @@
+"""OPD / OSD / FKL objective and the online trainer on served (tiny) traffic."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+import pytest
+import torch
+
+from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance, RoundRecord
+from adaflash.models.checkpoint import load_drafter_for
+from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from adaflash.training.blocks import sequence_pass
+from adaflash.training.losses import drafter_loss, position_weights
+from adaflash.training.objective import Objective, block_objective
+from adaflash.training.online import OnlineConfig, OnlineTrainer
+from tests.conftest import make_bundle
+
+
+def test_opd_loss_matches_hand_computation_with_per_entry_clipping():
+    q = [0.7, 0.2, 0.1]
+    p = [0.2, 0.5, 0.3]
+    logits = torch.tensor([q]).log()
+    teacher = torch.tensor([p]).log()
+    alpha, delta = 0.8, 0.01
+    terms = [qi * math.log(qi / pi) for qi, pi in zip(q, p, strict=True)]  # 0.877, -0.183, -0.110
+    per_entry = sum(min(t, delta) for t in terms)  # -0.2831: only the first entry is clipped
+    global_clip = min(sum(terms), delta)  # 0.01: clipping the sum would be a different loss
+    assert abs(per_entry - global_clip) > 0.2
+    ce = -math.log(q[1])  # x* = the teacher's top-1 = token 1
+    expected = alpha * ce + (1 - alpha) * per_entry  # 1.2309
+    got = drafter_loss("opd", logits, teacher, alpha, delta)
+    assert got.item() == pytest.approx(expected, abs=1e-5)
+    # α and δ are honoured
+    assert drafter_loss("opd", logits, teacher, 1.0, delta).item() == pytest.approx(ce, abs=1e-5)
+    no_clip = alpha * ce + (1 - alpha) * sum(terms)
+    assert drafter_loss("opd", logits, teacher, alpha, 10.0).item() == pytest.approx(no_clip, abs=1e-5)
+    fkl = sum(pi * math.log(pi / qi) for qi, pi in zip(q, p, strict=True))
+    assert drafter_loss("fkl", logits, teacher, 0.0).item() == pytest.approx(fkl, abs=1e-5)
+
+
+def _served_records(target, bundle, n=6, max_new=40, method="dflash") -> list[CleanRecord]:
+    """Serve prompts with the speculative decoder and turn the results into clean feedback."""
+    tok = target.tokenizer
+    prompts = [tok.chat_prompt(f"count to {i} and explain why numbers matter") for i in range(n)]
+    results = SpeculativeDecoder(target, bundle).generate(
+        prompts, DecodeConfig(method, max_new_tokens=max_new)
+    )
+    out = []
+    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+        rounds, start = [], 0
+        for rd in r.rounds:
+            rounds.append(
+                RoundRecord(start=start, verify_len=rd.verify_len, accepted=rd.accepted, a_hat=rd.a_hat)
+            )
+            start += rd.accepted + 1
+        rec = FeedbackRecord(
+            request_id=f"r{i}",
+            tenant_id="t",
+            target_fingerprint=target.fingerprint,
+            drafter_version="1",
+            method=method,
+            block_size=bundle.drafter.block_size,
+            prompt_text=tok.decode(p),
+            output_text=tok.decode(r.token_ids),
+            prompt_token_ids=p,
+            output_token_ids=r.token_ids,
+            rounds=rounds,
+        )
+        prov = Provenance(topic="t", partition=0, offset=i, governed_at=datetime.now(UTC))
+        out.append(CleanRecord(record=rec, provenance=prov))
+    return out
+
+
+def test_length_head_loss_never_reaches_the_drafter(tiny32):
+    bundle = make_bundle(tiny32, block_size=8)
+    rec = _served_records(tiny32, bundle, n=1)[0]
+    seq = rec.record.prompt_token_ids + rec.record.output_token_ids
+    sp = sequence_pass(
+        tiny32.model, [seq], bundle.drafter.config.target_layer_ids, teacher_from=[len(seq) - 20]
+    )[0]
+    anchors = torch.arange(len(seq) - 20, len(seq) - 8, 3)
+    out = block_objective(
+        bundle.drafter, bundle.length_head, tiny32.model, sp, anchors, Objective(), position_weights(8, None)
+    )
+    out.head.backward(retain_graph=True)
+    assert all(p.grad is None or not p.grad.any() for p in bundle.drafter.parameters())
+    assert any(p.grad is not None and p.grad.any() for p in bundle.length_head.parameters())
+    bundle.length_head.zero_grad()
+    out.drafter.backward()
+    assert all(p.grad is None or not p.grad.any() for p in bundle.length_head.parameters())
+    assert any(p.grad is not None and p.grad.any() for p in bundle.drafter.parameters())
+
+
+def test_osd_trains_only_on_rejected_positions(tiny32):
+    bundle = make_bundle(tiny32, block_size=8)
+    rec = _served_records(tiny32, bundle, n=1)[0]
+    seq = rec.record.prompt_token_ids + rec.record.output_token_ids
+    sp = sequence_pass(
+        tiny32.model, [seq], bundle.drafter.config.target_layer_ids, teacher_from=[len(seq) - 20]
+    )[0]
+    anchors = torch.tensor([len(seq) - 20, len(seq) - 15])
+    w = position_weights(8, None)
+    args = (bundle.drafter, bundle.length_head, tiny32.model, sp, anchors, Objective("osd"), w)
+    assert block_objective(*args, torch.tensor([7, 7])).rows == 0  # everything accepted: nothing to learn
+    assert block_objective(*args, torch.tensor([2, 0])).rows == 5 + 7
+    assert block_objective(*args, torch.tensor([-1, -1])).rows == 14  # no served round: every position
+    assert block_objective(*args[:-2], Objective("opd"), w).rows == 14
+
+
+def test_online_trainer_improves_acceptance_resumes_and_saves_a_loadable_drafter(tiny32, tmp_path):
+    torch.manual_seed(0)
+    bundle = make_bundle(tiny32, block_size=8, seed=3)
+    records = _served_records(tiny32, bundle, n=6, max_new=48)
+    assert all(r.record.rounds for r in records)
+    cfg = OnlineConfig(epochs=4, lr=2e-3, head_lr=2e-3, random_anchors=8)
+    out = tmp_path / "challenger"
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(kind, info):
+        if kind == "step" and info["epoch"] == 2 and info["record"] == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        OnlineTrainer(tiny32, bundle, out, cfg, progress=interrupt).train(records)
+    fresh = make_bundle(tiny32, block_size=8, seed=3)  # the same champion, reloaded
+    seen = []
+    metrics = OnlineTrainer(tiny32, fresh, out, cfg, progress=lambda k, i: seen.append((k, i))).train(
+        records, lineage={"record_ids": [r.record.record_id for r in records]}
+    )
+    assert seen[0] == ("resume", {"epoch": 2, "cursor": 0})  # from the state saved at the last epoch end
+    taus = [e["train_tau"] for e in metrics["epochs"]]
+    assert len(taus) == 4 and taus[-1] > taus[0]
+    loaded = load_drafter_for(out, tiny32)
+    assert loaded.meta.lineage["loss"] == "opd" and len(loaded.meta.lineage["record_ids"]) == 6
+    # the trained drafter still decodes losslessly
+    ar = SpeculativeDecoder(tiny32, None).generate(
+        [records[0].record.prompt_token_ids], DecodeConfig("ar", 24)
+    )
+    sd = SpeculativeDecoder(tiny32, loaded).generate(
+        [records[0].record.prompt_token_ids], DecodeConfig("adaflash", 24)
+    )
+    assert ar[0].token_ids == sd[0].token_ids
