@@ -73,13 +73,17 @@ def _served_records(target, bundle, n=6, max_new=40, method="dflash") -> list[Cl
     return out
 
 
-def test_length_head_loss_never_reaches_the_drafter(tiny32):
-    bundle = make_bundle(tiny32, block_size=8)
-    rec = _served_records(tiny32, bundle, n=1)[0]
+def _served_pass(target):
+    """A drafter, and one served sequence's target pass with teacher rows for its last 20 tokens."""
+    bundle = make_bundle(target, block_size=8)
+    rec = _served_records(target, bundle, n=1)[0]
     seq = rec.record.prompt_token_ids + rec.record.output_token_ids
-    sp = sequence_pass(
-        tiny32.model, [seq], bundle.drafter.config.target_layer_ids, teacher_from=[len(seq) - 20]
-    )[0]
+    ids = bundle.drafter.config.target_layer_ids
+    return bundle, seq, sequence_pass(target.model, [seq], ids, teacher_from=[len(seq) - 20])[0]
+
+
+def test_length_head_loss_never_reaches_the_drafter(tiny32):
+    bundle, seq, sp = _served_pass(tiny32)
     anchors = torch.arange(len(seq) - 20, len(seq) - 8, 3)
     out = block_objective(
         bundle.drafter, bundle.length_head, tiny32.model, sp, anchors, Objective(), position_weights(8, None)
@@ -94,12 +98,7 @@ def test_length_head_loss_never_reaches_the_drafter(tiny32):
 
 
 def test_osd_trains_only_on_rejected_positions(tiny32):
-    bundle = make_bundle(tiny32, block_size=8)
-    rec = _served_records(tiny32, bundle, n=1)[0]
-    seq = rec.record.prompt_token_ids + rec.record.output_token_ids
-    sp = sequence_pass(
-        tiny32.model, [seq], bundle.drafter.config.target_layer_ids, teacher_from=[len(seq) - 20]
-    )[0]
+    bundle, seq, sp = _served_pass(tiny32)
     anchors = torch.tensor([len(seq) - 20, len(seq) - 15])
     w = position_weights(8, None)
     args = (bundle.drafter, bundle.length_head, tiny32.model, sp, anchors, Objective("osd"), w)
