@@ -287,14 +287,18 @@ def test_lineage_cli_answers_for_records_shards_tenants(tmp_path, vocab, scrubbe
     gov = _governor(tmp_path, vocab, scrubber)
     gov.persist(gov.govern(_messages(items)), datetime.now(UTC), None)
     shard = gov.lineage.shards()[0]
-    gov.lineage.mark_trained([shard["shard_id"]], "7", "2026-11-30T10:00:00")
+    rid = next(m.planted.record_id for m in items if m.planted.tenant_id == shard["tenant_id"])
+    gov.lineage.mark_trained([shard["shard_id"]], "7", "2026-11-30T10:00:00", record_ids=[rid])
+    assert gov.lineage.records_for_version("7") == [rid]
+    assert gov.lineage.untrained_shards() and shard["shard_id"] not in {
+        s["shard_id"] for s in gov.lineage.untrained_shards()
+    }
     gov.lineage.close()
     d = str(tmp_path / "gov")
     runner = CliRunner()
     bad = items[-1].planted.record_id
     res = runner.invoke(app, ["lineage", "record", bad, "--data-dir", d])
     assert res.exit_code == 0 and '"quarantined"' in res.output and "vocab" in res.output
-    rid = next(m.planted.record_id for m in items if m.planted.tenant_id == shard["tenant_id"])
     res = runner.invoke(app, ["lineage", "record", rid, "--data-dir", d])
     assert '"clean"' in res.output and shard["shard_id"] in res.output and '"7"' in res.output
     res = runner.invoke(app, ["lineage", "shard", shard["shard_id"], "--data-dir", d])

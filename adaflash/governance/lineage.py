@@ -38,9 +38,13 @@ CREATE TABLE IF NOT EXISTS batches (
     n_in INTEGER, n_clean INTEGER, n_quarantined INTEGER, n_duplicate INTEGER,
     reasons TEXT, pii_entities TEXT, seconds REAL
 );
-CREATE TABLE IF NOT EXISTS trained_on (
+CREATE TABLE IF NOT EXISTS trained_on (       -- shards a version's run consumed (train + held-out)
     shard_id TEXT NOT NULL, model_version TEXT NOT NULL, at TEXT NOT NULL,
     PRIMARY KEY (shard_id, model_version)
+);
+CREATE TABLE IF NOT EXISTS trained_records (   -- the exact records a version trained on
+    record_id TEXT NOT NULL, model_version TEXT NOT NULL,
+    PRIMARY KEY (record_id, model_version)
 );
 """
 
@@ -173,10 +177,33 @@ class LineageStore:
         return self._db.execute("SELECT MAX(created_at) FROM records").fetchone()[0]
 
     # -- training / registry writes ----------------------------------------------------------------
-    def mark_trained(self, shard_ids: list[str], model_version: str, at: str) -> None:
-        self._db.executemany(
+    def mark_trained(
+        self, shard_ids: list[str], model_version: str, at: str, record_ids: list[str] | None = None
+    ) -> None:
+        """Shards consumed by a run (never ingested again) and, exactly, the records it trained on."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        db.executemany(
             "INSERT OR IGNORE INTO trained_on VALUES (?,?,?)", [(s, model_version, at) for s in shard_ids]
         )
+        db.executemany(
+            "INSERT OR IGNORE INTO trained_records VALUES (?,?)",
+            [(r, model_version) for r in record_ids or []],
+        )
+        db.execute("COMMIT")
+
+    def untrained_shards(self) -> list[dict]:
+        """Shards no drafter version has trained on yet, oldest first."""
+        q = (
+            "SELECT * FROM shards WHERE shard_id NOT IN (SELECT shard_id FROM trained_on) "
+            "ORDER BY created_at, shard_id"
+        )
+        return [dict(r) for r in self._db.execute(q)]
+
+    def records_for_version(self, model_version: str) -> list[str]:
+        """Record ids in the shards a drafter version trained on (lineage from a model back)."""
+        q = "SELECT record_id FROM trained_records WHERE model_version = ? ORDER BY record_id"
+        return [row[0] for row in self._db.execute(q, (model_version,))]
 
     # -- queries (CLI) -------------------------------------------------------------------------------
     def record(self, record_id: str) -> dict | None:
@@ -187,7 +214,9 @@ class LineageStore:
         out["reasons"] = json.loads(out["reasons"])
         out.pop("prompt_minhash", None)
         out["shard"] = self.shard(out["shard_id"]) if out["shard_id"] else None
-        out["trained_into"] = self._versions(out["shard_id"])
+        q = "SELECT model_version FROM trained_records WHERE record_id = ? ORDER BY model_version"
+        out["trained_into"] = [r[0] for r in self._db.execute(q, (record_id,))]
+        out["shard_consumed_by"] = self._versions(out["shard_id"])
         return out
 
     def _versions(self, shard_id: str | None) -> list[str]:
