@@ -416,6 +416,274 @@ def lineage_audit(
     console.print(t)
 
 
+# -- registry (MLflow) -------------------------------------------------------------------------------
+registry_app = typer.Typer(
+    no_args_is_help=True, help="Drafter versions in MLflow: list, approve, promote, roll back."
+)
+registry_server_app = typer.Typer(
+    no_args_is_help=True, help="The embedded MLflow server (SQLite store, local artifacts) on loopback."
+)
+registry_app.add_typer(registry_server_app, name="server")
+app.add_typer(registry_app, name="registry")
+
+TrackingOpt = Annotated[
+    str, typer.Option("--tracking-uri", envvar="MLFLOW_TRACKING_URI", help="MLflow tracking/registry server")
+]
+EventsBootstrapOpt = Annotated[
+    str,
+    typer.Option(
+        "--bootstrap-servers",
+        help="Kafka for adaflash.drafter.events ('' or unreachable: the action still happens, unpublished)",
+    ),
+]
+WhoOpt = Annotated[
+    str | None, typer.Option("--who", help="recorded as the actor (default $ADAFLASH_USER / login)")
+]
+ReasonOpt = Annotated[str, typer.Option("--reason", help="why: recorded with the action and in the event")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+
+def _registry(target: str, tracking_uri: str, bootstrap_servers: str = ""):
+    from adaflash.models.targets import load_vocabulary
+    from adaflash.registry import RegistryClient
+
+    vocab = load_vocabulary(target)  # the fingerprint without loading the weights
+    return RegistryClient(
+        tracking_uri, vocab.fingerprint, vocab.name, bootstrap_servers=bootstrap_servers or None
+    )
+
+
+def _registry_server(port: int, state_dir: Path | None):
+    from adaflash.registry import RegistryServer
+
+    return RegistryServer(state_dir or _home() / "mlflow", port=port)
+
+
+def _version_json(info) -> dict:
+    from dataclasses import asdict
+
+    return asdict(info) | {"created_at": info.created_at.isoformat()}
+
+
+@registry_server_app.command("start")
+def registry_server_start(
+    port: Annotated[int, typer.Option(help="loopback port")] = 5000,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="store + artifacts (default $ADAFLASH_HOME/mlflow)")
+    ] = None,
+) -> None:
+    """Start MLflow (if not running): 1 worker, no job runners, SQLite + local artifacts."""
+    st = _registry_server(port, state_dir).start()
+    console.print(
+        f"MLflow running: pid {st.pid} at {st.tracking_uri} (store {st.backend_store}, log {st.log})"
+    )
+
+
+@registry_server_app.command("stop")
+def registry_server_stop(
+    port: Annotated[int, typer.Option()] = 5000, state_dir: Annotated[Path | None, typer.Option()] = None
+) -> None:
+    """Stop the MLflow server started by `adaflash registry server start`."""
+    console.print(
+        "MLflow stopped" if _registry_server(port, state_dir).stop() else "no MLflow server was running"
+    )
+
+
+@registry_server_app.command("status")
+def registry_server_status(
+    port: Annotated[int, typer.Option()] = 5000, state_dir: Annotated[Path | None, typer.Option()] = None
+) -> None:
+    """Show whether the MLflow server is up (process alive and /health OK)."""
+    from dataclasses import asdict
+
+    st = _registry_server(port, state_dir).status()
+    console.print_json(json.dumps(asdict(st)))
+    if not st.running:
+        raise typer.Exit(1)
+
+
+@registry_app.command("list")
+def registry_list(
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "",
+    as_json: JsonOpt = False,
+) -> None:
+    """Every drafter version of the target, newest first, with aliases, approval and shadow metrics."""
+    reg = _registry(target, tracking_uri, bootstrap_servers)
+    versions = reg.versions()
+    if as_json:
+        console.print_json(json.dumps([_version_json(v) for v in versions]))
+        return
+    t = Table(title=f"{reg.model_name} (target {reg.target_name})")
+    for col in ("version", "aliases", "status", "approval", "registered", "records", "metrics", "code"):
+        t.add_column(col)
+    for v in versions:
+        metrics = ", ".join(f"{k}={val}" for k, val in sorted(v.metrics.items()))
+        t.add_row(
+            v.version,
+            ", ".join(v.aliases),
+            v.status,
+            v.approval or "",
+            v.created_at.strftime("%Y-%m-%d %H:%M"),
+            v.lineage.get("records", ""),
+            metrics,
+            (v.code_version or "")[:12],
+        )
+    console.print(t)
+
+
+@registry_app.command("show")
+def registry_show(
+    version: Annotated[str, typer.Argument(help="version number or alias (champion, challenger, ...)")],
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "",
+    as_json: JsonOpt = False,
+) -> None:
+    """One version: aliases, lineage, shadow metrics, code version, approvals and its action log."""
+    info = _registry(target, tracking_uri, bootstrap_servers).show(version)
+    if as_json:
+        console.print_json(json.dumps(_version_json(info)))
+        return
+    t = Table(title=f"{info.model_name} v{info.version}", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    for k, v in (
+        ("aliases", ", ".join(info.aliases)),
+        ("status", info.status),
+        ("approval", info.approval or ""),
+        ("registered", info.created_at.isoformat(timespec="seconds")),
+        ("source", info.source),
+        ("code version", info.code_version or ""),
+    ):
+        t.add_row(k, v)
+    for k, v in sorted(info.lineage.items()):
+        t.add_row(f"lineage.{k}", v)
+    for k, v in sorted(info.metrics.items()):
+        t.add_row(f"metric.{k}", v)
+    t.add_row("actions", info.description)
+    console.print(t)
+
+
+@registry_app.command("approve")
+def registry_approve(
+    version: Annotated[str, typer.Argument(help="version number or alias")],
+    reason: ReasonOpt,
+    who: WhoOpt = None,
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "127.0.0.1:9092",
+) -> None:
+    """Approve a (pending) challenger and promote it to champion."""
+    reg = _registry(target, tracking_uri, bootstrap_servers)
+    v = reg.approve(version, who, reason)
+    console.print(f"approved and promoted {reg.model_name} v{v} to champion")
+
+
+@registry_app.command("promote")
+def registry_promote(
+    version: Annotated[str, typer.Argument(help="version number or alias")],
+    reason: ReasonOpt,
+    who: WhoOpt = None,
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "127.0.0.1:9092",
+) -> None:
+    """Make a version champion; the old champion becomes previous_champion."""
+    reg = _registry(target, tracking_uri, bootstrap_servers)
+    ev = reg.promote(version, who, reason)
+    old = f" (was v{ev.replaced_version})" if ev.replaced_version else ""
+    console.print(f"{reg.model_name} champion is now v{ev.version}{old}")
+
+
+@registry_app.command("rollback")
+def registry_rollback(
+    reason: ReasonOpt,
+    who: WhoOpt = None,
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "127.0.0.1:9092",
+) -> None:
+    """Restore the previous champion; the demoted version is marked rolled_back."""
+    reg = _registry(target, tracking_uri, bootstrap_servers)
+    ev = reg.rollback(who, reason)
+    console.print(
+        f"rolled back {reg.model_name}: champion is v{ev.version} again (v{ev.replaced_version} rolled back)"
+    )
+
+
+@registry_app.command("pending")
+def registry_pending(
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    as_json: JsonOpt = False,
+) -> None:
+    """Challengers waiting for a human approval."""
+    pending = _registry(target, tracking_uri).pending_approvals()
+    if as_json:
+        console.print_json(json.dumps([_version_json(v) for v in pending]))
+        return
+    for v in pending:
+        console.print(f"v{v.version}  {', '.join(v.aliases)}  metrics: {v.metrics}")
+    if not pending:
+        console.print("no version is pending approval")
+
+
+@registry_app.command("sync")
+def registry_sync(
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "127.0.0.1:9092",
+) -> None:
+    """Promote versions approved in the MLflow UI (tag adaflash.approval=approved)."""
+    done = _registry(target, tracking_uri, bootstrap_servers).sync_ui_approvals()
+    console.print(f"promoted v{', v'.join(done)}" if done else "no new approvals in the MLflow UI")
+
+
+@registry_app.command("history")
+def registry_history(
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    as_json: JsonOpt = False,
+) -> None:
+    """Every registry action, oldest first: who, when, why, and whether its event was published."""
+    reg = _registry(target, tracking_uri)
+    actions = reg.history()
+    if as_json:
+        from dataclasses import asdict
+
+        console.print_json(json.dumps([asdict(a) | {"at": a.at.isoformat()} for a in actions]))
+        return
+    t = Table(title=f"{reg.model_name} history")
+    for col in ("when (UTC)", "action", "version", "replaced", "who", "reason", "event"):
+        t.add_column(col)
+    for a in actions:
+        t.add_row(
+            a.at.strftime("%Y-%m-%d %H:%M:%S"),
+            a.action,
+            a.version,
+            a.replaced_version or "",
+            a.who,
+            a.reason,
+            "published" if a.event_published else "not published",
+        )
+    console.print(t)
+
+
+@registry_app.command("download")
+def registry_download(
+    version: Annotated[str, typer.Argument(help="version number or alias")] = "champion",
+    out: Annotated[
+        Path | None, typer.Option(help="directory (default $ADAFLASH_HOME/registry/downloads/...)")
+    ] = None,
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+) -> None:
+    """Fetch a version's drafter directory (DFlash format) for `adaflash serve --drafter`."""
+    console.print(str(_registry(target, tracking_uri).download(version, out)))
+
+
 # -- serving -----------------------------------------------------------------------------------------
 
 
