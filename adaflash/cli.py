@@ -809,6 +809,72 @@ def bench(
         console.print(str(f))
 
 
+# -- continual-training pipeline ------------------------------------------------------------------------
+pipeline_app = typer.Typer(
+    no_args_is_help=True, help="The continual-training pipeline (Kubeflow Pipelines v2)."
+)
+app.add_typer(pipeline_app, name="pipeline")
+PIPELINE_IR = Path("manifests/pipelines/continual_training.yaml")
+
+
+@pipeline_app.command("compile")
+def pipeline_compile(out: Annotated[Path, typer.Option(help="IR YAML to write")] = PIPELINE_IR) -> None:
+    """Compile the pipeline to KFP IR YAML (committed; CI checks it for drift)."""
+    from adaflash.pipelines.continual import compile_pipeline
+
+    console.print(f"wrote {compile_pipeline(out)}")
+
+
+@pipeline_app.command("run")
+def pipeline_run(
+    target: TargetOpt = "smollm2",
+    fallback_drafter: Annotated[
+        Path, typer.Option(help="champion to warm-start from until the registry has one")
+    ] = Path("drafters/smollm2-bootstrap"),
+    tracking_uri: Annotated[
+        str, typer.Option(help="MLflow tracking/registry server")
+    ] = "http://127.0.0.1:5000",
+    bootstrap_servers: BootstrapOpt = "",
+    data_dir: GovDirOpt = None,
+    min_records: Annotated[int, typer.Option(help="new clean records a run needs")] = 128,
+    loss: Annotated[str, typer.Option(help="opd | osd | fkl")] = "opd",
+    epochs: Annotated[int, typer.Option()] = 2,
+    gate_mode: Annotated[
+        str, typer.Option(help="auto: promote a winner; manual: leave it pending approval")
+    ] = "auto",
+    min_gain: Annotated[float, typer.Option(help="required τ gain over the champion")] = 0.02,
+    concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = 64,
+    pipeline_root: Annotated[Path, typer.Option(help="kfp.local artifacts")] = Path(".adaflash/kfp"),
+) -> None:
+    """Run the pipeline locally through kfp.local (every component in this environment)."""
+    from kfp import local
+
+    from adaflash.pipelines.continual import continual_training
+
+    if loss not in ("opd", "osd", "fkl"):
+        raise InputError(f"unknown loss {loss!r}: choose opd, osd or fkl")
+    if gate_mode not in ("auto", "manual"):
+        raise InputError("--gate-mode must be auto or manual")
+    gov = (data_dir or _home() / "governance").resolve()
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root.resolve()))
+    continual_training(
+        target=target,
+        governance_dir=str(gov),
+        tracking_uri=tracking_uri,
+        fallback_drafter=str(fallback_drafter.resolve()),
+        bootstrap_servers=bootstrap_servers,
+        min_records=min_records,
+        loss=loss,
+        epochs=epochs,
+        gate_mode=gate_mode,
+        min_gain=min_gain,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+    )
+    console.print(f"pipeline finished; run log: {gov / 'pipeline_runs.jsonl'}")
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of exiting

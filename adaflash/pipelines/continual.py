@@ -1,0 +1,98 @@
+"""The continual-training pipeline (DESIGN §2), read top to bottom like the diagram:
+
+    ingest → train (warm start from the champion) → shadow eval → register → gate → promote
+
+In `auto` mode a challenger that beats the champion is promoted inside the run; in `manual` mode
+the run ends with it registered as `challenger`, tagged pending approval, and a person promotes it
+with `adaflash registry approve VERSION` or the approval tag in the MLflow UI — nothing blocks
+inside the pipeline. An exit handler records every run's final state, failures included.
+"""
+
+# No `from __future__ import annotations`: KFP reads the parameters' real annotation objects.
+from pathlib import Path
+
+from kfp import compiler, dsl
+
+from adaflash.components.kfp_components import (
+    champion_op,
+    ingest_op,
+    promote_op,
+    record_run_op,
+    register_op,
+    shadow_eval_op,
+    train_op,
+)
+
+PIPELINE_NAME = "adaflash-continual-training"
+
+
+@dsl.pipeline(name=PIPELINE_NAME, description="OPD retraining of the served drafter with a shadow-eval gate")
+def continual_training(
+    target: str,
+    governance_dir: str,
+    tracking_uri: str,
+    fallback_drafter: str,
+    bootstrap_servers: str = "",
+    min_records: int = 128,
+    heldout_fraction: float = 0.2,
+    loss: str = "opd",
+    epochs: int = 2,
+    lr: float = 3e-4,
+    random_anchors: int = 0,
+    concurrency: int = 8,
+    max_new_tokens: int = 64,
+    min_gain: float = 0.02,
+    max_domain_regression: float = 0.02,
+    gate_mode: str = "auto",
+):
+    exit_task = record_run_op(governance_dir=governance_dir)
+    with dsl.ExitHandler(exit_task, name="record-run"):
+        snap = ingest_op(
+            governance_dir=governance_dir, min_records=min_records, heldout_fraction=heldout_fraction
+        )
+        champ = champion_op(target=target, tracking_uri=tracking_uri, fallback_dir=fallback_drafter)
+        trained = train_op(
+            target=target,
+            snapshot=snap.outputs["snapshot"],
+            champion=champ.outputs["champion"],
+            loss=loss,
+            epochs=epochs,
+            lr=lr,
+            random_anchors=random_anchors,
+        )
+        shadow = shadow_eval_op(
+            target=target,
+            snapshot=snap.outputs["snapshot"],
+            champion=champ.outputs["champion"],
+            challenger=trained.outputs["challenger"],
+            concurrency=concurrency,
+            max_new_tokens=max_new_tokens,
+            min_gain=min_gain,
+            max_domain_regression=max_domain_regression,
+        )
+        reg = register_op(
+            target=target,
+            tracking_uri=tracking_uri,
+            bootstrap_servers=bootstrap_servers,
+            governance_dir=governance_dir,
+            gate_mode=gate_mode,
+            decision=shadow.outputs["Output"],
+            snapshot=snap.outputs["snapshot"],
+            challenger=trained.outputs["challenger"],
+            report=shadow.outputs["report"],
+        )
+        with dsl.If(shadow.outputs["Output"] == "promote", name="challenger-wins"):
+            with dsl.If(gate_mode == "auto", name="auto-promotion"):
+                promote_op(
+                    target=target,
+                    tracking_uri=tracking_uri,
+                    bootstrap_servers=bootstrap_servers,
+                    version=reg.output,
+                    reason="shadow evaluation: beat the champion by the configured margin",
+                )
+
+
+def compile_pipeline(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(continual_training, str(path))
+    return path
