@@ -65,12 +65,13 @@ ALIASES = (CHAMPION, CHALLENGER, PREVIOUS_CHAMPION)
 T_FINGERPRINT = "adaflash.target_fingerprint"
 T_TARGET = "adaflash.target_name"
 T_STATUS = "adaflash.status"  # registered | challenger | champion | previous_champion | rolled_back
-T_APPROVAL = "adaflash.approval"  # pending | approved | rejected
+T_APPROVAL = "adaflash.approval"  # pending | approved | superseded
 T_CODE = "adaflash.code_version"
 T_REPLACED = "adaflash.replaced_version"  # the champion this version replaced when promoted
 T_ACTION = "adaflash.action"  # history runs
 APPROVED = "approved"
 PENDING = "pending"
+SUPERSEDED = "superseded"  # a pending challenger replaced by a newer one before anyone approved it
 DRAFTER_ARTIFACT = "drafter"
 REQUIRED_FILES = ("config.json", "model.safetensors", "adaflash.json")
 
@@ -567,8 +568,12 @@ class RegistryClient:
             version = _v(mv.version)
             if as_challenger:
                 old = self._aliases().get(CHALLENGER)
-                if old and old != version:
-                    self._set_tags(old, {T_STATUS: "registered"})  # superseded candidate
+                if old and old != version:  # the superseded candidate no longer waits for approval
+                    old_tags = self._model_version(old).tags
+                    superseded = {T_STATUS: "registered"}
+                    if old_tags.get(T_APPROVAL, "").lower() == PENDING:
+                        superseded[T_APPROVAL] = SUPERSEDED
+                    self._set_tags(old, superseded)
                 self._set_alias(CHALLENGER, version)
             self._client.set_tag(run_id, "adaflash.version", version)
             self._record("registered", version, who, reason, alias=CHALLENGER if as_challenger else None,
@@ -626,7 +631,11 @@ class RegistryClient:
             if (info.approval or "").strip().lower() != APPROVED or "adaflash.approved_at" in info.tags:
                 continue
             who = info.tags.get("adaflash.approved_by") or "mlflow-ui"
-            reason = info.tags.get("adaflash.approval_reason") or "approved in the MLflow UI"
+            reason = (
+                info.tags.get("adaflash.approval_reason")
+                or info.tags.get("adaflash.approved_reason")
+                or "approved in the MLflow UI"
+            )
             if info.version == champion:  # nothing to promote; stamp it so it is not rescanned
                 self._record("approved", info.version, who, reason, alias=CHAMPION)
                 continue
@@ -672,19 +681,12 @@ class RegistryClient:
         """
         version = self.resolve(ref)
         out = Path(dst) if dst is not None else self.download_dir / self.model_name / f"v{version}"
-        meta_path = out / "adaflash.json"
-        if meta_path.exists():
-            try:
-                if (
-                    json.loads(meta_path.read_text()).get("lineage", {}).get("registry", {}).get("version")
-                    == version
-                ):
-                    return out
-            except (json.JSONDecodeError, AttributeError):
-                pass
+        if self._downloaded(out, version):
+            return out
         with self._mlflow(f"download v{version}"):
             mv = self._model_version(version)
-            tmp = out.parent / f".{out.name}.download"
+            # Per-process scratch dir: two processes may fetch the same version at once.
+            tmp = out.parent / f".{out.name}.download-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             if mv.run_id:
@@ -707,9 +709,21 @@ class RegistryClient:
         meta["lineage"] = lineage
         (got / "adaflash.json").write_text(json.dumps(meta, indent=2))
         # Rename into place: a reader (the serving reloader) never sees a half-downloaded drafter.
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists() and not self._downloaded(out, version):
+            shutil.rmtree(out)  # another version's or an incomplete copy
         out.parent.mkdir(parents=True, exist_ok=True)
-        got.rename(out)
+        try:
+            got.rename(out)
+        except OSError:
+            if not self._downloaded(out, version):  # not just a concurrent download of the same version
+                raise
         shutil.rmtree(tmp, ignore_errors=True)
         return out
+
+    @staticmethod
+    def _downloaded(out: Path, version: str) -> bool:
+        try:
+            meta = json.loads((out / "adaflash.json").read_text())
+            return meta["lineage"]["registry"]["version"] == version and (out / "model.safetensors").is_file()
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            return False
