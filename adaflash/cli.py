@@ -875,6 +875,59 @@ def pipeline_run(
     console.print(f"pipeline finished; run log: {gov / 'pipeline_runs.jsonl'}")
 
 
+@pipeline_app.command("schedule")
+def pipeline_schedule(
+    host: Annotated[str, typer.Option(help="Kubeflow Pipelines API endpoint (ml-pipeline-ui / ml-pipeline)")],
+    target: TargetOpt = "smollm2",
+    cron: Annotated[str, typer.Option(help="KFP cron with seconds field")] = "0 0 2 * * *",
+    governance_dir: Annotated[
+        str, typer.Option(help="governance dir as mounted in the cluster")
+    ] = "/data/governance",
+    tracking_uri: Annotated[str, typer.Option(help="MLflow as seen from the cluster")] = "http://mlflow:5000",
+    fallback_drafter: Annotated[str, typer.Option()] = "/data/drafters/bootstrap",
+    bootstrap_servers: BootstrapOpt = "kafka:9092",
+    gate_mode: Annotated[str, typer.Option(help="auto | manual")] = "manual",
+) -> None:
+    """Create a recurring run of the committed IR on a Kubeflow cluster (kfp.Client)."""
+    from adaflash.pipelines.schedule import schedule_recurring_run
+
+    params = {
+        "target": target,
+        "governance_dir": governance_dir,
+        "tracking_uri": tracking_uri,
+        "fallback_drafter": fallback_drafter,
+        "bootstrap_servers": bootstrap_servers,
+        "gate_mode": gate_mode,
+    }
+    rid = schedule_recurring_run(host, params, cron=cron)
+    console.print(f"recurring run {rid} created ({cron})")
+
+
+@pipeline_app.command("watch")
+def pipeline_watch(
+    target: TargetOpt = "smollm2",
+    data_dir: GovDirOpt = None,
+    min_records: Annotated[int, typer.Option()] = 128,
+    interval: Annotated[float, typer.Option(help="seconds between checks")] = 60.0,
+    max_runs: Annotated[int | None, typer.Option(help="stop after this many runs")] = None,
+    tracking_uri: Annotated[str, typer.Option()] = "http://127.0.0.1:5000",
+    bootstrap_servers: BootstrapOpt = "",
+    fallback_drafter: Annotated[Path, typer.Option()] = Path("drafters/smollm2-bootstrap"),
+) -> None:
+    """Run the pipeline locally whenever enough new clean records exist."""
+    from adaflash.pipelines.schedule import watch
+
+    gov = data_dir or _home() / "governance"
+
+    def run() -> None:
+        pipeline_run(
+            target=target, fallback_drafter=fallback_drafter, tracking_uri=tracking_uri,
+            bootstrap_servers=bootstrap_servers, data_dir=gov, min_records=min_records,
+        )  # fmt: skip
+
+    watch(gov, min_records, run, interval, max_runs, log=lambda m: print(m, flush=True))
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of exiting

@@ -103,3 +103,69 @@ def test_pipeline_failure_is_recorded_by_the_exit_handler(tmp_path, tiny32, mlfl
     entry = json.loads((gov / "pipeline_runs.jsonl").read_text().splitlines()[-1])
     assert entry["state"] == "FAILED"
     assert Path(gov / "lineage.sqlite").exists()
+
+
+def test_schedule_sends_a_recurring_run_of_the_committed_ir():
+    """No Kubeflow cluster here: a stand-in for its REST API captures what `schedule` sends."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from adaflash.pipelines.schedule import schedule_recurring_run
+
+    seen = []
+
+    class KfpApi(BaseHTTPRequestHandler):
+        def _reply(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # healthz; experiment lookup by name finds none
+            seen.append(("GET", self.path, None))
+            self._reply({"experiments": [], "total_size": 0} if "experiments" in self.path else {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            seen.append(("POST", self.path, body))
+            if self.path.endswith("/experiments"):
+                self._reply({"experiment_id": "exp-1", "display_name": body["display_name"]})
+            else:
+                self._reply({"recurring_run_id": "rr-1", "display_name": body["display_name"]})
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), KfpApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    params = {"target": "smollm2", "governance_dir": "/data/gov", "tracking_uri": "http://mlflow:5000",
+              "fallback_drafter": "/data/d", "gate_mode": "manual"}  # fmt: skip
+    try:
+        rid = schedule_recurring_run(f"http://127.0.0.1:{server.server_port}", params, cron="0 0 2 * * *")
+    finally:
+        server.shutdown()
+    assert rid == "rr-1"
+    posts = [(p, b) for m, p, b in seen if m == "POST"]
+    assert posts[0][0] == "/apis/v2beta1/experiments" and posts[0][1]["display_name"] == "adaflash"
+    path, body = posts[1]
+    assert path == "/apis/v2beta1/recurringruns"
+    assert body["experiment_id"] == "exp-1" and body["mode"] == "ENABLE"
+    assert body["trigger"]["cron_schedule"]["cron"] == "0 0 2 * * *"
+    assert int(body["max_concurrency"]) == 1
+    assert body["no_catchup"] is True
+    assert body["pipeline_spec"]["pipelineInfo"]["name"] == "adaflash-continual-training"
+    assert body["runtime_config"]["parameters"]["gate_mode"] == "manual"
+
+
+def test_watch_starts_a_run_only_with_enough_new_records(tmp_path, tiny32):
+    from adaflash.pipelines.schedule import new_clean_records, watch
+
+    gov = tmp_path / "gov"
+    assert new_clean_records(gov) == 0
+    serve_into_buffer(tiny32, make_bundle(tiny32, block_size=8), gov, n=12)
+    assert new_clean_records(gov) == 12
+    started = []
+    assert watch(gov, 10, lambda: started.append(1), interval_s=0, max_runs=1, log=lambda m: None) == 1
+    assert started == [1]
