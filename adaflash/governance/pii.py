@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -129,6 +130,22 @@ def _fast_phone_recognizer():
     return PrefilteredPhoneRecognizer()
 
 
+# spaCy's small model tags technical words as PERSON in code prompts ("Java" alone was 45 of the
+# first 600 CodeAlpaca prompts). A name is capitalised words of letters; never one of these.
+_TECH_WORDS = {
+    "java", "javascript", "python", "string", "convert", "json", "sql", "html", "css", "api", "c++",
+    "c#", "ruby", "rust", "kotlin", "swift", "scala", "perl", "php", "bash", "linux", "react", "node",
+    "django", "flask", "pandas", "numpy", "scanner", "factorial", "input", "size", "name", "salary",
+}  # fmt: skip
+_NAME_CHARS = re.compile(r"^[A-Z][A-Za-z'.\-]*(?:\s+[A-Z][A-Za-z'.\-]*)*$")
+
+
+def _plausible(entity: str, text: str) -> bool:
+    if entity != "PERSON":
+        return True
+    return bool(_NAME_CHARS.match(text.strip())) and text.strip().lower() not in _TECH_WORDS
+
+
 @dataclass(frozen=True)
 class Span:
     start: int
@@ -209,6 +226,8 @@ class PiiScrubber:
                 supported_entity="STREET_ADDRESS",
                 patterns=[Pattern("street_address", STREET_ADDRESS_REGEX, 0.7)],
                 context=["address", "live", "lives", "ship", "send", "deliver", "located"],
+                # Case matters: street names are capitalised ("10 and prints the square" is not).
+                global_regex_flags=re.MULTILINE | re.DOTALL,
             )
         )
         self.analyzer.registry.add_recognizer(_cued_name_recognizer())
@@ -232,6 +251,12 @@ class PiiScrubber:
         )
         out = []
         for text, found in zip(texts, results, strict=True):
-            spans = merge_spans([Span(r.start, r.end, r.entity_type) for r in found])
+            spans = merge_spans(
+                [
+                    Span(r.start, r.end, r.entity_type)
+                    for r in found
+                    if _plausible(r.entity_type, text[r.start : r.end])
+                ]
+            )
             out.append(ScrubResult(replace_spans(text, spans), spans))
         return out
