@@ -35,6 +35,18 @@ def tiny32():
     return tiny_target(torch.float32)
 
 
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking + registry server (SQLite, local artifacts), one per test module."""
+    from adaflash.feedback.broker import free_port
+    from adaflash.registry.server import RegistryServer
+
+    server = RegistryServer(tmp_path_factory.mktemp("mlflow"), port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
 def make_bundle(target, num_layers=2, block_size=8, seed=0, with_head=True):
     from adaflash.models.checkpoint import DrafterBundle, DrafterMeta
     from adaflash.models.factory import new_drafter

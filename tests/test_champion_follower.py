@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from adaflash.feedback.broker import free_port
 from adaflash.models.checkpoint import save_drafter
 from adaflash.serving.champion_follower import ChampionFollower
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.reload import DrafterReloader
 from tests.conftest import make_bundle
 from tests.kafka_util import running_broker
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    from adaflash.registry.server import RegistryServer
-
-    server = RegistryServer(tmp_path_factory.mktemp("mlflow"), port=free_port())
-    server.start()
-    yield server
-    server.stop()
 
 
 def _wait(cond, seconds: float = 20.0) -> float:

@@ -5,26 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from adaflash.feedback import topics
-from adaflash.feedback.broker import free_port
 from adaflash.governance.lineage import LineageStore
 from adaflash.models.checkpoint import save_drafter
 from adaflash.pipelines.continual import compile_pipeline, continual_training
 from tests.conftest import REPO, make_bundle
 from tests.kafka_util import read_topic, running_broker
 from tests.test_continual_steps import serve_into_buffer
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    from adaflash.registry.server import RegistryServer
-
-    server = RegistryServer(tmp_path_factory.mktemp("mlflow"), port=free_port())
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_compiled_pipeline_matches_committed_ir(tmp_path):
