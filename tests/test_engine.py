@@ -230,3 +230,18 @@ def test_probe_policy_skips_the_drafter_after_khat_one(tiny64, trained, ar_ref):
         assert all(rd.verify_len == 1 for rd in r.rounds)
         drafted = [rd.a_hat is not None for rd in r.rounds]
         assert drafted == [i % 3 == 0 for i in range(len(drafted))]
+
+
+def test_long_and_short_contexts_attend_in_separate_buckets(tiny64, trained):
+    from adaflash.serving.runner import PackedBatch, Segment, _attention_groups
+
+    # One 240-token conversation among short ones: decode attention is bucketed by context
+    # length (no padding of every request to 240 keys), and outputs stay exact.
+    prompts = [PROMPTS[0] * 30, *PROMPTS[1:6]]
+    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(prompts, DecodeConfig("ar", 30))]
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash", max_running=8), "v1")
+    reqs = _run(engine, prompts, max_tokens=30)
+    assert [r.output_ids for r in reqs] == ref
+    batch = PackedBatch.build([Segment(0, 400, [1]), *(Segment(i, 20 + i, [1, 2]) for i in range(1, 6))])
+    groups = _attention_groups(batch)
+    assert sorted(g.span for g in groups) == [27, 401]

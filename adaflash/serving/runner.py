@@ -217,7 +217,21 @@ class DrafterSlots:
     def draft_hidden(
         self, slots: torch.Tensor, lengths: torch.Tensor, block_embeds: torch.Tensor
     ) -> torch.Tensor:
-        """Final drafter hidden states [R, k, H] of one block per request (block at lengths[r])."""
+        """Final drafter hidden states [R, k, H] of one block per request (block at lengths[r]).
+
+        Requests are bucketed by context length like the target's attention, so one long
+        conversation does not pad every other request's context to its length.
+        """
+        buckets = _span_buckets(list(zip(lengths.tolist(), range(len(lengths)), strict=True)))
+        if len(buckets) == 1:
+            return self._draft(slots, lengths, block_embeds)
+        out = torch.empty_like(block_embeds)
+        for members in buckets:
+            idx = torch.tensor(members)
+            out[idx] = self._draft(slots[idx], lengths[idx], block_embeds[idx])
+        return out
+
+    def _draft(self, slots: torch.Tensor, lengths: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
         R, T, _ = block_embeds.shape
         span = int(lengths.max())
         positions = lengths[:, None] + torch.arange(T)[None, :]
