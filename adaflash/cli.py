@@ -928,6 +928,90 @@ def pipeline_watch(
     watch(gov, min_records, run, interval, max_runs, log=lambda m: print(m, flush=True))
 
 
+# -- export + SGLang (issue 7) ----------------------------------------------------------------------------
+
+
+@app.command("export")
+def export(
+    out: Annotated[Path, typer.Option("--out", help="directory to write (replaced atomically)")],
+    version: Annotated[
+        str | None, typer.Option("--version", help="registry version number or alias (champion, ...)")
+    ] = None,
+    from_dir: Annotated[
+        Path | None, typer.Option("--from", help="a local drafter directory instead of the registry")
+    ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option("--target", "-t", help="the drafter's target (default smollm2 with --version)"),
+    ] = None,
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    fmt: Annotated[str, typer.Option("--format", help="dflash (SGLang / vLLM)")] = "dflash",
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
+    require_block_size: Annotated[
+        int | None,
+        typer.Option(help="fail unless the drafter's block size is this (the server's K)"),
+    ] = None,
+) -> None:
+    """Write a drafter directory SGLang/vLLM load unmodified (DFlash format, length head beside it)."""
+    from adaflash.export import export_drafter, export_from_registry
+
+    if fmt != "dflash":
+        raise InputError(f"--format {fmt!r}: only dflash is supported")
+    if (version is None) == (from_dir is None):
+        raise InputError("give exactly one of --version V|champion (registry) or --from DIR (local)")
+    if version is not None:
+        done = export_from_registry(tracking_uri, target or "smollm2", version, out, dtype=dtype,
+                                    require_block_size=require_block_size)  # fmt: skip
+    else:
+        fit = {}
+        if target is not None:
+            from adaflash.models.targets import load_vocabulary
+
+            vocab = load_vocabulary(target)
+            fit = {"target_fingerprint": vocab.fingerprint, "target_vocab_size": vocab.vocab_size}
+        done = export_drafter(from_dir, out, dtype=dtype, require_block_size=require_block_size, **fit)
+    where = f"v{done.version}" if done.version else "local drafter"
+    print(f"exported {where} to {done.path} (block size {done.block_size}, {done.num_layers} layers)")
+
+
+sglang_app = typer.Typer(no_args_is_help=True, help="Serve exported drafters with SGLang (GPU fleet).")
+app.add_typer(sglang_app, name="sglang")
+
+
+@sglang_app.command("launch-args")
+def sglang_launch_args(
+    drafter: Annotated[Path, typer.Option(help="exported drafter directory (read for its block size)")],
+    target: TargetOpt = "smollm2",
+    model_path: Annotated[
+        str | None, typer.Option(help="target checkpoint as the server sees it (default: --target's dir)")
+    ] = None,
+    drafter_path: Annotated[
+        str | None, typer.Option(help="drafter path as the server sees it (default: --drafter)")
+    ] = None,
+    host: Annotated[str, typer.Option()] = "0.0.0.0",
+    port: Annotated[int, typer.Option()] = 30000,
+    dtype: Annotated[str | None, typer.Option(help="SGLang --dtype (default: SGLang's)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the argv as a JSON list")] = False,
+) -> None:
+    """Print the `python -m sglang.launch_server ... --speculative-algorithm DFLASH` line for a drafter."""
+    from adaflash.errors import CheckpointError
+    from adaflash.export import drafter_block_size, sglang_launch_argv, shell_line, target_model_path
+    from adaflash.models.targets import load_vocabulary
+
+    k = drafter_block_size(drafter)
+    meta_file = drafter / "adaflash.json"
+    if meta_file.exists():  # a drafter only fits the exact target it was trained for
+        trained_for = json.loads(meta_file.read_text()).get("target_fingerprint")
+        fp = load_vocabulary(target).fingerprint
+        if trained_for != fp:
+            raise CheckpointError(
+                f"drafter {drafter} was trained for target {trained_for}, not {target} ({fp})"
+            )
+    argv = sglang_launch_argv(model_path or target_model_path(target), drafter_path or str(drafter), k,
+                              host=host, port=port, dtype=dtype)  # fmt: skip
+    print(json.dumps(argv) if as_json else shell_line(argv))
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of exiting
