@@ -714,6 +714,12 @@ def serve(
         ".adaflash/spool"
     ),
     model_name: Annotated[str, typer.Option(help="model id reported by the API")] = "adaflash",
+    follow_registry: Annotated[
+        str | None,
+        typer.Option(
+            help="MLflow URL: serve its champion and hot-reload on promotions/rollbacks (needs Kafka)"
+        ),
+    ] = None,
 ) -> None:
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions, /health, /metrics, admin reload.
 
@@ -749,6 +755,18 @@ def serve(
     token = os.environ.get("ADAFLASH_ADMIN_TOKEN") or None
     app_ = create_app(engine, ServerSettings(model_name=model_name, admin_token=token))
     engine.start()
+    follower = None
+    if follow_registry:
+        from adaflash.serving.champion_follower import ChampionFollower
+
+        if not bootstrap_servers:
+            raise InputError(
+                "--follow-registry needs --bootstrap-servers (promotions arrive as Kafka events)"
+            )
+        follower = ChampionFollower(app_.state.reloader, bootstrap_servers, follow_registry, tgt.fingerprint)
+        follower.start()  # subscribe first, so a promotion during the initial download is not missed
+        live = follower.load_champion()
+        err_console.print(f"following the champion at {follow_registry}: " + (live or "none yet"))
     err_console.print(
         f"serving {tgt.name} ({method}, drafter {engine.drafter_version}) on http://{host}:{port}"
         + ("" if token else " — admin API disabled (set ADAFLASH_ADMIN_TOKEN)")
@@ -756,6 +774,8 @@ def serve(
     try:
         uvicorn.run(app_, host=host, port=port, log_level="warning")
     finally:
+        if follower is not None:
+            follower.stop()
         engine.stop()
         if emitter is not None:
             emitter.close()
@@ -1010,6 +1030,86 @@ def sglang_launch_args(
     argv = sglang_launch_argv(model_path or target_model_path(target), drafter_path or str(drafter), k,
                               host=host, port=port, dtype=dtype)  # fmt: skip
     print(json.dumps(argv) if as_json else shell_line(argv))
+
+
+# -- the embedded stack ---------------------------------------------------------------------------------
+def _stack(target: str, drafter: Path | None, broker_port: int, registry_port: int, port: int, watch: bool,
+           min_records: int):  # fmt: skip
+    from adaflash.stack import Stack, StackConfig
+
+    return Stack(
+        StackConfig(
+            home=_home().resolve(),
+            target=target,
+            drafter=drafter.resolve() if drafter else None,
+            broker_port=broker_port,
+            registry_port=registry_port,
+            serve_port=port,
+            watch=watch,
+            min_records=min_records,
+        )  # fmt: skip
+    )
+
+
+BrokerPortOpt = Annotated[int, typer.Option(help="Kafka (Tansu) port")]
+RegistryPortOpt = Annotated[int, typer.Option(help="MLflow port")]
+ServePortOpt = Annotated[int, typer.Option(help="OpenAI API port")]
+
+
+def _print_stack(rows: list[dict]) -> None:
+    t = Table(title=f"AdaFlash stack — {_home()}")
+    for col in ("service", "running", "pid", "where"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r["service"], "[green]up[/]" if r["running"] else "[red]down[/]", str(r["pid"] or "-"), r["where"]
+        )
+    console.print(t)
+
+
+@app.command()
+def up(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[
+        Path | None, typer.Option(help="bootstrap drafter, served until a champion exists")
+    ] = Path("drafters/smollm2-bootstrap"),
+    broker_port: BrokerPortOpt = 9092,
+    registry_port: RegistryPortOpt = 5000,
+    port: ServePortOpt = 8000,
+    watch: Annotated[bool, typer.Option(help="start the pipeline watcher")] = True,
+    min_records: Annotated[int, typer.Option(help="new clean records that trigger a pipeline run")] = 128,
+) -> None:
+    """Start the embedded stack: broker, MLflow, serving engine, governance, pipeline watcher."""
+    if drafter is not None and not (drafter / "config.json").exists():
+        raise InputError(f"no drafter at {drafter}: run `make bootstrap` or pass --drafter DIR")
+    stack = _stack(target, drafter, broker_port, registry_port, port, watch, min_records)
+    with err_console.status("starting") as st:
+        stack.up(progress=lambda name: st.update(f"starting {name}..."))
+    _print_stack(stack.status())
+
+
+@app.command()
+def down(
+    broker_port: BrokerPortOpt = 9092,
+    registry_port: RegistryPortOpt = 5000,
+    port: ServePortOpt = 8000,
+) -> None:
+    """Stop everything `adaflash up` started."""
+    stopped = _stack("smollm2", None, broker_port, registry_port, port, True, 128).down()
+    console.print("stopped: " + (", ".join(stopped) or "nothing was running"))
+
+
+@app.command()
+def status(
+    broker_port: BrokerPortOpt = 9092,
+    registry_port: RegistryPortOpt = 5000,
+    port: ServePortOpt = 8000,
+) -> None:
+    """One view of the embedded stack's services."""
+    rows = _stack("smollm2", None, broker_port, registry_port, port, True, 128).status()
+    _print_stack(rows)
+    if not all(r["running"] for r in rows):
+        raise typer.Exit(1)
 
 
 def main() -> None:

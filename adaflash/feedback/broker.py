@@ -8,8 +8,6 @@ loses what it had acknowledged (production runs a durable Kafka; see the README)
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 
 from adaflash.errors import AdaFlashError
 from adaflash.feedback.topics import TOPICS, TopicSpec
+from adaflash.procs import pid_from_file, terminate
 
 
 class BrokerError(AdaFlashError):
@@ -87,18 +86,7 @@ class Broker:
         return self.state_dir / "broker.log"
 
     def _pid(self) -> int | None:
-        try:
-            info = json.loads(self._pid_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        pid = int(info["pid"])
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return pid
+        return pid_from_file(self._pid_file)
 
     def status(self) -> dict:
         pid = self._pid()
@@ -143,23 +131,7 @@ class Broker:
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the broker; returns False if none was running."""
         pid = self._pid()
-        if pid is None:
-            self._pid_file.unlink(missing_ok=True)
-            return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                # Reap it when it is our child (tests); otherwise poll until it is gone.
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    break
-            except ChildProcessError:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        if pid is not None:
+            terminate(pid, timeout)
         self._pid_file.unlink(missing_ok=True)
-        return True
+        return pid is not None

@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaflash.procs import alive, pid_from_file
 from adaflash.registry.errors import RegistryUnavailableError
 
 DEFAULT_PORT = 5000
@@ -80,17 +81,7 @@ class RegistryServer:
         return self.state_dir / "server.json"
 
     def _pid(self) -> int | None:
-        try:
-            pid = int(json.loads(self._pid_file.read_text())["pid"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError):
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return pid
+        return pid_from_file(self._pid_file)
 
     def status(self) -> ServerStatus:
         pid = self._pid()
@@ -164,26 +155,12 @@ class RegistryServer:
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (_alive(pid) or _port_open(self.host, self.port)):
+        while time.monotonic() < deadline and (alive(pid) or _port_open(self.host, self.port)):
             time.sleep(0.05)
-        if _alive(pid) or _port_open(self.host, self.port):
+        if alive(pid) or _port_open(self.host, self.port):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self._pid_file.unlink(missing_ok=True)
         return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        # Reap it when it is our child (tests, `adaflash up`); otherwise just probe.
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
