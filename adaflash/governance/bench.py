@@ -192,6 +192,16 @@ def _quality(gov: Governor, msgs, governed: dict[str, str], prompts) -> dict:
     code = [p.text for p in prompts["code"]]
     altered = [r for r in gov.scrubber.scrub(code) if r.spans]
     fp_types = Counter(s.entity for r in altered for s in r.spans)
+    # Names in math word problems and chat prompts are fictional but look exactly like PII: report
+    # how much of each PII-free prompt set the scrubber rewrites.
+    by_domain = {}
+    for dom, ps in prompts.items():
+        res = gov.scrubber.scrub([p.text for p in ps])
+        by_domain[dom] = {
+            "prompts": len(ps),
+            "altered": sum(1 for r in res if r.spans),
+            "types": dict(Counter(s.entity for r in res for s in r.spans)),
+        }
     return {
         "pii_recall": {e: round(found[e] / total[e], 4) for e in sorted(total)},
         "pii_recall_overall": round(sum(found.values()) / max(sum(total.values()), 1), 4),
@@ -200,6 +210,7 @@ def _quality(gov: Governor, msgs, governed: dict[str, str], prompts) -> dict:
         "code_prompts_altered": len(altered),
         "code_false_positive_rate": round(len(altered) / max(len(code), 1), 4),
         "code_false_positive_types": dict(fp_types),
+        "pii_free_prompts_altered": by_domain,
     }
 
 
@@ -230,6 +241,14 @@ def _write(r: dict, out_dir: Path, console: Console) -> None:
         "",
         f"PII-free code prompts altered: {r['code_prompts_altered']}/{r['code_prompts']} "
         f"({r['code_false_positive_rate']:.1%}): {r['code_false_positive_types']}",
+        "",
+        "| PII-free prompt set | prompts | altered | share | entity types found |",
+        "|---|---:|---:|---:|---|",
+        *[
+            f"| {d} | {v['prompts']} | {v['altered']} | {v['altered'] / max(v['prompts'], 1):.1%} "
+            f"| {v['types']} |"
+            for d, v in r["pii_free_prompts_altered"].items()
+        ],
     ]
     (out_dir / "governance_bench.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(7, 3))
