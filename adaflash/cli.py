@@ -581,6 +581,25 @@ def registry_approve(
     console.print(f"approved and promoted {reg.model_name} v{v} to champion")
 
 
+@registry_app.command("register")
+def registry_register(
+    drafter: Annotated[Path, typer.Argument(help="drafter directory (e.g. the bootstrap drafter)")],
+    reason: ReasonOpt,
+    promote: Annotated[bool, typer.Option(help="make it the champion right away (the first one)")] = False,
+    who: WhoOpt = None,
+    target: TargetOpt = "smollm2",
+    tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
+    bootstrap_servers: EventsBootstrapOpt = "127.0.0.1:9092",
+) -> None:
+    """Register a drafter directory as a new version (challenger); --promote makes it champion."""
+    reg = _registry(target, tracking_uri, bootstrap_servers)
+    version = reg.register(drafter, lineage={"source": str(drafter)}, who=who, reason=reason)
+    console.print(f"{reg.model_name} v{version} registered as challenger")
+    if promote:
+        reg.promote(version, who, reason)
+        console.print(f"{reg.model_name} champion is now v{version}")
+
+
 @registry_app.command("promote")
 def registry_promote(
     version: Annotated[str, typer.Argument(help="version number or alias")],

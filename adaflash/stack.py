@@ -120,7 +120,7 @@ class Stack:
         self.cfg = cfg
         d = cfg.home / "stack"
         self.broker = Broker(cfg.home / "broker", port=cfg.broker_port)
-        self.registry = RegistryServer(cfg.home / "registry", port=cfg.registry_port)
+        self.registry = RegistryServer(cfg.home / "mlflow", port=cfg.registry_port)  # = `registry server`
         gov = str(cfg.home / "governance")
         serve = ["serve", "--target", cfg.target, "--port", str(cfg.serve_port)]
         serve += ["--bootstrap-servers", cfg.bootstrap_servers, "--follow-registry", cfg.tracking_uri]

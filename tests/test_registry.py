@@ -357,3 +357,12 @@ def test_cli_unreachable_server_fails_fast_in_one_line():
     assert r.stderr.startswith("error: MLflow at") and "unreachable" in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_cli_register_first_champion(mlflow_server, broker, tiny, drafters, monkeypatch, capsys):
+    common = ["--target", "tiny", "--tracking-uri", mlflow_server.tracking_uri]
+    code, out, err = _cli(monkeypatch, capsys, "registry", "register", str(drafters[0]), "--reason", "bootstrap",
+                          "--promote", *common, "--bootstrap-servers", broker.bootstrap_servers)  # fmt: skip
+    assert code == 0, err
+    version = out.split(" v", 1)[1].split()[0]
+    assert "registered as challenger" in out and f"champion is now v{version}" in out
