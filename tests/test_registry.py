@@ -361,8 +361,8 @@ def test_cli_unreachable_server_fails_fast_in_one_line():
 
 def test_cli_register_first_champion(mlflow_server, broker, tiny, drafters, monkeypatch, capsys):
     common = ["--target", "tiny", "--tracking-uri", mlflow_server.tracking_uri]
-    code, out, err = _cli(monkeypatch, capsys, "registry", "register", str(drafters[0]), "--reason", "bootstrap",
-                          "--promote", *common, "--bootstrap-servers", broker.bootstrap_servers)  # fmt: skip
+    args = ["registry", "register", str(drafters[0]), "--reason", "bootstrap", "--promote", *common]
+    code, out, err = _cli(monkeypatch, capsys, *args, "--bootstrap-servers", broker.bootstrap_servers)
     assert code == 0, err
     version = out.split(" v", 1)[1].split()[0]
     assert "registered as challenger" in out and f"champion is now v{version}" in out
