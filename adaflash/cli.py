@@ -1131,6 +1131,48 @@ def status(
         raise typer.Exit(1)
 
 
+@app.command()
+def gateway(
+    upstream: Annotated[str, typer.Option(help="OpenAI-compatible backend (SGLang, vLLM, adaflash serve)")],
+    api_keys: Annotated[Path, typer.Option(help="JSON file {api_key: tenant_id}")],
+    target: TargetOpt = "smollm2",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8080,
+    bootstrap_servers: BootstrapOpt = "127.0.0.1:9092",
+    spool_dir: Annotated[Path, typer.Option(help="feedback spool while Kafka is unreachable")] = Path(
+        ".adaflash/gateway-spool"
+    ),
+    drafter_version: Annotated[
+        str | None, typer.Option(help="what the fleet serves, if it does not say")
+    ] = None,
+    method: Annotated[
+        str, typer.Option(help="what the fleet runs: dflash (SGLang) | adaflash | ar")
+    ] = "dflash",
+    block_size: Annotated[int, typer.Option(help="the fleet's drafter block size")] = 16,
+) -> None:
+    """Feedback gateway: proxy an OpenAI-compatible fleet unchanged and emit one record per request."""
+    import uvicorn
+
+    from adaflash.feedback.producer import FeedbackProducer, ProducerConfig
+    from adaflash.models.targets import load_vocabulary
+    from adaflash.serving.gateway import GatewaySettings, create_gateway
+
+    try:
+        keys = json.loads(api_keys.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read API keys from {api_keys}: {e}") from None
+    if not isinstance(keys, dict) or not keys:
+        raise InputError(f"{api_keys} must hold a non-empty JSON object {{api_key: tenant_id}}")
+    producer = FeedbackProducer(ProducerConfig(bootstrap_servers, spool_dir))
+    settings = GatewaySettings(upstream, keys, drafter_version, method, block_size)
+    app_ = create_gateway(settings, load_vocabulary(target), producer.send)
+    err_console.print(f"gateway for {upstream} on http://{host}:{port} ({len(keys)} API keys)")
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+    finally:
+        producer.close()
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of exiting
