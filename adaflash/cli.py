@@ -1173,6 +1173,38 @@ def gateway(
         producer.close()
 
 
+fleet_app = typer.Typer(no_args_is_help=True, help="The fleet controller: make the champion live everywhere.")
+app.add_typer(fleet_app, name="fleet")
+
+
+@fleet_app.command("run")
+def fleet_run(
+    config: Annotated[Path, typer.Option(help="fleet YAML (see manifests/base/fleet-controller.yaml)")],
+    health_port: Annotated[int, typer.Option(help="GET /healthz for probes")] = 8081,
+) -> None:
+    """Follow adaflash.drafter.events; reload engines / roll SGLang on every champion change."""
+    import time
+
+    from adaflash.models.targets import load_vocabulary
+    from adaflash.serving.champion_follower import ChampionFollower
+    from adaflash.serving.fleet import FleetConfig, FleetController, serve_health
+
+    cfg = FleetConfig.load(config)
+    fingerprint = load_vocabulary(cfg.target).fingerprint
+    controller = FleetController(cfg, fingerprint)
+    serve_health(health_port, controller)
+    follower = ChampionFollower(
+        None, cfg.bootstrap_servers, cfg.tracking_uri, fingerprint, apply=controller.apply
+    )
+    follower.start()
+    err_console.print(f"fleet controller: {len(cfg.backends)} backend(s), health on :{health_port}")
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        follower.stop()
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of exiting

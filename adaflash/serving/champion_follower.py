@@ -30,13 +30,16 @@ class FollowerStatus:
 class ChampionFollower:
     def __init__(
         self,
-        reloader: DrafterReloader,
+        reloader: DrafterReloader | None,
         bootstrap_servers: str,
         tracking_uri: str,
         target_fingerprint: str,
         on_event: Callable[[DrafterEvent], None] | None = None,
+        apply: Callable[[DrafterEvent], str] | None = None,
     ) -> None:
+        """`apply(event)` makes the event's version live and returns it; default: reload this engine."""
         self.reloader = reloader
+        self.apply = apply or self._reload
         self.bootstrap_servers = bootstrap_servers
         self.tracking_uri = tracking_uri
         self.fingerprint = target_fingerprint
@@ -66,6 +69,13 @@ class ChampionFollower:
                 return None
             path = reg.download(version)
         return self.reloader.reload(path, version).result()
+
+    def _reload(self, event: DrafterEvent) -> str:
+        from adaflash.registry.client import RegistryClient
+
+        with RegistryClient(event.tracking_uri or self.tracking_uri, self.fingerprint) as reg:
+            path = reg.download(event.version)
+        return self.reloader.reload(path, event.version).result()
 
     def _run(self) -> None:
         from kafka import KafkaConsumer, TopicPartition
@@ -97,11 +107,7 @@ class ChampionFollower:
         if event.target_fingerprint != self.fingerprint or event.alias != "champion":
             return
         try:
-            from adaflash.registry.client import RegistryClient
-
-            with RegistryClient(event.tracking_uri or self.tracking_uri, self.fingerprint) as reg:
-                path = reg.download(event.version)
-            version = self.reloader.reload(path, event.version).result()
+            version = self.apply(event)
             self.status.applied.append(version)
             log.info("drafter %s is live (%s by %s: %s)", version, event.type, event.who, event.reason)
         except Exception as e:  # noqa: BLE001 - a bad version must not stop the follower
