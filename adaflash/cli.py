@@ -917,13 +917,15 @@ def pipeline_run(
 @pipeline_app.command("schedule")
 def pipeline_schedule(
     host: Annotated[str, typer.Option(help="Kubeflow Pipelines API endpoint (ml-pipeline-ui / ml-pipeline)")],
-    target: TargetOpt = "smollm2",
+    target: Annotated[str, typer.Option(help="target as the pipeline pods see it")] = "/models/target",
     cron: Annotated[str, typer.Option(help="KFP cron with seconds field")] = "0 0 2 * * *",
     governance_dir: Annotated[
         str, typer.Option(help="governance dir as mounted in the cluster")
     ] = "/data/governance",
     tracking_uri: Annotated[str, typer.Option(help="MLflow as seen from the cluster")] = "http://mlflow:5000",
-    fallback_drafter: Annotated[str, typer.Option()] = "/data/drafters/bootstrap",
+    fallback_drafter: Annotated[
+        str, typer.Option(help="used until the registry has a champion")
+    ] = "/data/governance/drafters/bootstrap",
     bootstrap_servers: BootstrapOpt = "kafka:9092",
     gate_mode: Annotated[str, typer.Option(help="auto | manual")] = "manual",
 ) -> None:

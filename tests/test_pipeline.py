@@ -142,7 +142,10 @@ def test_schedule_sends_a_recurring_run_of_the_committed_ir():
     assert body["trigger"]["cron_schedule"]["cron"] == "0 0 2 * * *"
     assert int(body["max_concurrency"]) == 1
     assert body["no_catchup"] is True
-    assert body["pipeline_spec"]["pipelineInfo"]["name"] == "adaflash-continual-training"
+    spec = body["pipeline_spec"]  # pipeline spec + the Kubernetes platform spec (PVC mounts)
+    assert spec["pipeline_spec"]["pipelineInfo"]["name"] == "adaflash-continual-training"
+    mounts = json.dumps(spec["platform_spec"])
+    assert "governance-data" in mounts and "/data/governance" in mounts and "target-model" in mounts
     assert body["runtime_config"]["parameters"]["gate_mode"] == "manual"
 
 

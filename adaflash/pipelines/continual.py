@@ -11,7 +11,7 @@ inside the pipeline. An exit handler records every run's final state, failures i
 # No `from __future__ import annotations`: KFP reads the parameters' real annotation objects.
 from pathlib import Path
 
-from kfp import compiler, dsl
+from kfp import compiler, dsl, kubernetes
 
 from adaflash.components.kfp_components import (
     champion_op,
@@ -24,6 +24,15 @@ from adaflash.components.kfp_components import (
 )
 
 PIPELINE_NAME = "adaflash-continual-training"
+# On a cluster every step mounts the volumes of manifests/base/storage.yaml where the governance
+# Deployment has them: the buffer + lineage store, and the target. kfp.local ignores this config.
+VOLUMES = {"governance-data": "/data/governance", "target-model": "/models/target"}
+
+
+def _on_shared_volume(*tasks) -> None:
+    for t in tasks:
+        for pvc, path in VOLUMES.items():
+            kubernetes.mount_pvc(t, pvc_name=pvc, mount_path=path)
 
 
 @dsl.pipeline(name=PIPELINE_NAME, description="OPD retraining of the served drafter with a shadow-eval gate")
@@ -46,6 +55,7 @@ def continual_training(
     gate_mode: str = "auto",
 ):
     exit_task = record_run_op(governance_dir=governance_dir)
+    _on_shared_volume(exit_task)
     with dsl.ExitHandler(exit_task, name="record-run"):
         snap = ingest_op(
             governance_dir=governance_dir, min_records=min_records, heldout_fraction=heldout_fraction
@@ -81,6 +91,7 @@ def continual_training(
             challenger=trained.outputs["challenger"],
             report=shadow.outputs["report"],
         )
+        _on_shared_volume(snap, champ, trained, shadow, reg)
         with dsl.If(shadow.outputs["Output"] == "promote", name="challenger-wins"):
             with dsl.If(gate_mode == "auto", name="auto-promotion"):
                 promote_op(
