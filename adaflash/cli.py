@@ -220,18 +220,39 @@ def demo(
         typer.Option(help="drafter dir; default drafters/smollm2-bootstrap if present, else a demo one"),
     ] = None,
     budget_minutes: Annotated[float, typer.Option(help="bootstrap budget when no drafter exists")] = 12.0,
-    prompts_per_domain: Annotated[int, typer.Option()] = 3,
-    max_new_tokens: Annotated[int, typer.Option()] = 96,
+    requests: Annotated[int, typer.Option(help="chat requests of demo traffic")] = 48,
+    max_tokens: Annotated[int, typer.Option(help="tokens per answer")] = 64,
+    epochs: Annotated[int, typer.Option(help="pipeline training epochs")] = 2,
+    home: Annotated[Path, typer.Option(help="the demo's own stack state (wiped first)")] = Path(
+        ".adaflash/demo"
+    ),
 ) -> None:
-    """Bootstrap a drafter if none exists, then compare ar / dflash / adaflash on held-out prompts."""
-    from adaflash.demo import run_comparison
+    """The whole loop once: traffic → governance → pipeline → promotion → reload → lineage → rollback."""
+    from adaflash.scenario import Scenario, ScenarioConfig
 
+    _setup_torch()
     if drafter is None:
         measured = Path("drafters/smollm2-bootstrap")
         drafter = measured if (measured / "config.json").exists() else Path(".cache/demo-drafter")
     if not (drafter / "config.json").exists():
         console.print(f"[bold]No drafter at {drafter}: bootstrapping one ({budget_minutes} min budget)[/]")
         bootstrap(out=drafter, target=target, budget_minutes=budget_minutes, eval_per_domain=10)
+    cfg = ScenarioConfig(
+        target=target, drafter=drafter, home=home, requests=requests, max_tokens=max_tokens, epochs=epochs
+    )
+    Scenario(cfg, console).run()
+
+
+@app.command()
+def compare(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path, typer.Option(help="drafter dir")] = Path("drafters/smollm2-bootstrap"),
+    prompts_per_domain: Annotated[int, typer.Option()] = 3,
+    max_new_tokens: Annotated[int, typer.Option()] = 96,
+) -> None:
+    """Compare ar / dflash / adaflash on held-out prompts with one drafter, batch 1, greedy."""
+    from adaflash.compare import run_comparison
+
     tgt, bundle = _load(target, drafter)
     run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
 
@@ -848,6 +869,42 @@ def bench(
         console.print(str(f))
 
 
+@app.command()
+def adapt(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path, typer.Option(help="the bootstrap drafter every learner starts from")] = Path(
+        "drafters/smollm2-bootstrap"
+    ),
+    rounds: Annotated[int, typer.Option(help="rounds of shifted traffic")] = 6,
+    per_round: Annotated[int, typer.Option(help="new prompts served per round")] = 16,
+    concurrency: Annotated[int, typer.Option()] = 8,
+    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    epochs: Annotated[int, typer.Option(help="online training epochs per round")] = 2,
+    lr: Annotated[float, typer.Option()] = 3e-4,
+    learners: Annotated[str, typer.Option(help="comma list of osd, adaflash")] = "osd,adaflash",
+    source: Annotated[str, typer.Option(help="held-out prompt-id prefix of the new domain")] = "humaneval",
+    out: Annotated[Path, typer.Option(help="JSON + markdown + plot")] = Path("benchmarks/online"),
+    work: Annotated[Path, typer.Option(help="per-learner governance dirs and drafters")] = Path(
+        ".adaflash/adapt"
+    ),
+) -> None:
+    """Online adaptation experiment: OSD vs AdaFlash retraining on shifted traffic, DFlash fixed."""
+    from adaflash.adaptation import LEARNERS, AdaptationSpec, run_adaptation, write_outputs
+
+    names = [x.strip() for x in learners.split(",") if x.strip()]
+    bad = [x for x in names if x not in LEARNERS]
+    if bad:
+        raise InputError(f"unknown learner(s) {', '.join(bad)}: choose from {', '.join(LEARNERS)}")
+    spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source)
+    tgt, _ = _load(target, None)
+    result = run_adaptation(
+        tgt, drafter, spec, work, log=lambda s: err_console.print(s, markup=False, highlight=False)
+    )
+    result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])
+    for f in write_outputs(result, out):
+        console.print(str(f))
+
+
 # -- continual-training pipeline ------------------------------------------------------------------------
 pipeline_app = typer.Typer(
     no_args_is_help=True, help="The continual-training pipeline (Kubeflow Pipelines v2)."
@@ -881,36 +938,37 @@ def pipeline_run(
     gate_mode: Annotated[
         str, typer.Option(help="auto: promote a winner; manual: leave it pending approval")
     ] = "auto",
-    min_gain: Annotated[float, typer.Option(help="required τ gain over the champion")] = 0.02,
+    min_gain: Annotated[float, typer.Option(help="required gain over the champion")] = 0.02,
+    gate_metric: Annotated[
+        str, typer.Option(help="tau_full (full-block τ; served τ guarded) | tau (served) | tps")
+    ] = "tau_full",
     concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = 64,
     pipeline_root: Annotated[Path, typer.Option(help="kfp.local artifacts")] = Path(".adaflash/kfp"),
 ) -> None:
     """Run the pipeline locally through kfp.local (every component in this environment)."""
-    from kfp import local
+    from adaflash.pipelines.continual import run_local
 
-    from adaflash.pipelines.continual import continual_training
-
-    if loss not in ("opd", "osd", "fkl"):
-        raise InputError(f"unknown loss {loss!r}: choose opd, osd or fkl")
-    if gate_mode not in ("auto", "manual"):
-        raise InputError("--gate-mode must be auto or manual")
     gov = (data_dir or _home() / "governance").resolve()
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root.resolve()))
-    continual_training(
-        target=target,
-        governance_dir=str(gov),
-        tracking_uri=tracking_uri,
-        fallback_drafter=str(fallback_drafter.resolve()),
-        bootstrap_servers=bootstrap_servers,
-        min_records=min_records,
-        loss=loss,
-        epochs=epochs,
-        gate_mode=gate_mode,
-        min_gain=min_gain,
-        concurrency=concurrency,
-        max_new_tokens=max_new_tokens,
-    )
+    try:
+        run_local(
+            pipeline_root,
+            target=target,
+            governance_dir=str(gov),
+            tracking_uri=tracking_uri,
+            fallback_drafter=str(fallback_drafter.resolve()),
+            bootstrap_servers=bootstrap_servers,
+            min_records=min_records,
+            loss=loss,
+            epochs=epochs,
+            gate_mode=gate_mode,
+            gate_metric=gate_metric,
+            min_gain=min_gain,
+            concurrency=concurrency,
+            max_new_tokens=max_new_tokens,
+        )
+    except ValueError as e:
+        raise InputError(str(e)) from e
     console.print(f"pipeline finished; run log: {gov / 'pipeline_runs.jsonl'}")
 
 

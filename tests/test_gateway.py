@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -59,8 +61,14 @@ def test_gateway_proxies_unchanged_and_emits_one_record_per_request(n, tmp_path,
         ),
     ):
         producer = FeedbackProducer(ProducerConfig(broker.bootstrap_servers, tmp_path / "spool"))
+        handed = []
+
+        def send(rec):
+            handed.append(rec.record_id)
+            producer.send(rec)
+
         app = create_gateway(
-            GatewaySettings(upstream.url, KEYS, drafter_version="A", block_size=8), vocab, producer.send
+            GatewaySettings(upstream.url, KEYS, drafter_version="A", block_size=8), vocab, send
         )
         gw = ServerThread(app, port=free_port()).start()
         try:
@@ -74,6 +82,10 @@ def test_gateway_proxies_unchanged_and_emits_one_record_per_request(n, tmp_path,
                 answers.append((key, got))
             with pytest.raises(openai.AuthenticationError):
                 _ask(openai.OpenAI(base_url=gw.url + "/v1", api_key="wrong", max_retries=0), 0)
+            # A streamed answer's record is built after its last chunk reached the client.
+            deadline = time.monotonic() + 30
+            while len(handed) < n and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert producer.flush(30)
         finally:
             gw.stop()

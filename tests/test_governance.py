@@ -97,6 +97,25 @@ def test_retokenize_rewrites_only_scrubbed_spans(kind, vocab):
     assert "Müller" not in tok.decode(out.token_ids) and "4111" not in tok.decode(out.token_ids)
 
 
+def test_identical_garbage_is_quarantined_per_message_and_redelivery_is_a_duplicate(
+    tmp_path, vocab, scrubber
+):
+    """Two producers sending the same unparseable bytes are two messages: both are quarantined
+    (this used to crash the batch on the lineage store's unique record id); the same message
+    delivered again after a restart is a duplicate."""
+    gov = _governor(tmp_path, vocab, scrubber)
+    junk = b"{not json: Summarise the attached report."
+    msgs = [Message(topics.RAW, 0, 0, None, junk), Message(topics.RAW, 0, 1, None, junk)]
+    out = gov.govern(msgs)
+    gov.persist(out, datetime.now(UTC), None)
+    assert len(out.quarantined) == 2 and out.n_duplicate == 0
+    assert all(q.reasons[0].code == "schema" for q in out.quarantined)
+    again = gov.govern([Message(topics.RAW, 0, 1, None, junk), Message(topics.RAW, 0, 2, None, junk)])
+    gov.persist(again, datetime.now(UTC), None)
+    assert again.n_duplicate == 1 and len(again.quarantined) == 1
+    assert gov.lineage.totals()["quarantined"] == 3
+
+
 @pytest.mark.parametrize("kind", [k for k in ANOMALIES if k not in ("flood", "near_duplicate")])
 def test_record_anomaly_is_quarantined_with_its_reason(kind, tmp_path, vocab, scrubber, base_prompts):
     gen = TrafficGenerator(vocab, base_prompts, seed=ANOMALIES.index(kind))

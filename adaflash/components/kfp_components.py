@@ -94,6 +94,7 @@ def shadow_eval_op(
     max_new_tokens: int,
     min_gain: float,
     max_domain_regression: float,
+    gate_metric: str,
     report: Output[Artifact],
     metrics: Output[Metrics],
 ) -> str:
@@ -110,10 +111,11 @@ def shadow_eval_op(
     ref = ar_reference(tgt, prompts, concurrency, max_new_tokens)
     old = shadow_eval(tgt, Path(champion.path), held, concurrency, max_new_tokens, ref)
     new = shadow_eval(tgt, Path(challenger.path), held, concurrency, max_new_tokens, ref)
-    decision = gate(old, new, GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression))
+    policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric)
+    decision = gate(old, new, policy)
     Path(report.path).write_text(json.dumps({"champion": old, "challenger": new, "gate": decision.to_dict()}))
     for dom, row in new["domains"].items():
-        for k in ("tau", "mean_verify_len", "tps"):
+        for k in ("tau", "tau_full", "mean_verify_len", "tps"):
             metrics.log_metric(f"{dom}.{k}", round(float(row[k]), 4))
             metrics.log_metric(f"{dom}.{k}.champion", round(float(old["domains"].get(dom, row)[k]), 4))
     return "promote" if decision.promote else "reject"

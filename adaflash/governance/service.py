@@ -135,7 +135,7 @@ class Governor:
         parsed: list[tuple[Message, FeedbackRecord]] = []
         failed: list[tuple[Message, str, str]] = []  # message, reason code, detail
         ids_in_batch: set[str] = set()
-        candidate_ids = [_peek_id(m.value) for m in messages]
+        candidate_ids = [_message_id(m) for m in messages]
         known = self.lineage.known([i for i in candidate_ids if i])
         for m, rid in zip(messages, candidate_ids, strict=True):
             if rid and (rid in known or rid in ids_in_batch):
@@ -218,7 +218,7 @@ class Governor:
             for s in scrubbed[pos : pos + n]:
                 out.pii.update(s.counts)
             pos += n
-            rid = _peek_id(m.value) or f"unparsed-{hashlib.sha256(m.value).hexdigest()[:24]}"
+            rid = _message_id(m)
             prov = Provenance(topic=m.topic, partition=m.partition, offset=m.offset, governed_at=governed_at)
             out.quarantined.append(
                 QuarantineRecord(
@@ -413,6 +413,16 @@ def _peek_id(value: bytes) -> str | None:
         return None
     rid = data.get("record_id") if isinstance(data, dict) else None
     return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else None
+
+
+def _message_id(m: Message) -> str:
+    """The record id, or for a payload without one an id of this message: identical garbage sent
+    twice is two messages, each quarantined; the same message redelivered is a duplicate."""
+    rid = _peek_id(m.value)
+    if rid:
+        return rid
+    digest = hashlib.sha256(m.value).hexdigest()[:24]
+    return f"unparsed-{digest}-{m.topic}-{m.partition}-{m.offset}"
 
 
 def _schema_code(value: bytes) -> str:

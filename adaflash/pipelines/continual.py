@@ -52,6 +52,7 @@ def continual_training(
     max_new_tokens: int = 64,
     min_gain: float = 0.02,
     max_domain_regression: float = 0.02,
+    gate_metric: str = "tau_full",
     gate_mode: str = "auto",
 ):
     exit_task = record_run_op(governance_dir=governance_dir)
@@ -79,6 +80,7 @@ def continual_training(
             max_new_tokens=max_new_tokens,
             min_gain=min_gain,
             max_domain_regression=max_domain_regression,
+            gate_metric=gate_metric,
         )
         reg = register_op(
             target=target,
@@ -101,6 +103,24 @@ def continual_training(
                     version=reg.output,
                     reason="shadow evaluation: beat the champion by the configured margin",
                 )
+
+
+GATE_METRICS = ("tau_full", "tau", "tps")
+
+
+def run_local(pipeline_root: Path, **params) -> None:
+    """Execute the pipeline here through kfp.local: every component is a subprocess of this
+    environment. Raises when a task fails (after the exit handler has recorded the run)."""
+    from kfp import local
+
+    if params.get("loss", "opd") not in ("opd", "osd", "fkl"):
+        raise ValueError(f"unknown loss {params['loss']!r}: choose opd, osd or fkl")
+    if params.get("gate_mode", "auto") not in ("auto", "manual"):
+        raise ValueError("gate mode must be auto or manual")
+    if params.get("gate_metric", "tau_full") not in GATE_METRICS:
+        raise ValueError(f"gate metric must be one of {', '.join(GATE_METRICS)}")
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root.resolve()))
+    continual_training(**params)
 
 
 def compile_pipeline(path: Path) -> Path:

@@ -288,15 +288,19 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         elif isinstance(p, list):
             if len(p) != 1:
                 return _error(400, "batched prompts are not supported: send one prompt per request")
-            ids, text = tok.encode(p[0]), p[0]
+            ids = tok.encode(p[0])
+            text = tok.decode(ids)
         else:
-            ids, text = tok.encode(p), p
+            ids = tok.encode(p)
+            text = tok.decode(ids)
         return await serve(body, http, ids, text, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HttpRequest):
         ids = chat_prompt_ids(tok, body.messages)
-        text = "\n".join(f"{m.role}: {m.content}" for m in body.messages)
+        # The feedback record's prompt_text must be decode(prompt ids) (schema invariant): the
+        # templated conversation as the target saw it, not a re-rendering of the messages.
+        text = tok.decode(ids)
         return await serve(body, http, ids, text, chat=True)
 
     @app.get("/v1/models")

@@ -1,4 +1,4 @@
-"""The `make demo` comparison: ar vs dflash vs adaflash on held-out prompts, one engine, one run."""
+"""`adaflash compare`: ar vs dflash vs adaflash on held-out prompts, one engine, one run."""
 
 from __future__ import annotations
 

@@ -1,0 +1,456 @@
+"""`make demo`: the whole loop once, on the embedded stack, with the real components.
+
+    bootstrap drafter → `adaflash up` (broker, MLflow, serve, governance) → register it as champion
+    → mixed-domain traffic through the OpenAI API with planted PII, plus malformed records on the
+    raw topic → governance (scrub, check, filter, buffer, lineage) → the continual-training pipeline
+    through kfp.local (ingest, train, shadow eval, register, gate, promote) → the serving engine
+    hot-reloads the new champion → lineage both ways → rollback → the engine serves the old one
+
+It ends with a before/after table and writes `scenario.json` beside it. Every step talks to the
+services the way a platform engineer would (HTTP, Kafka, MLflow); nothing is called in-process
+that a deployment would run elsewhere, except the pipeline, which kfp.local runs as subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from adaflash.errors import AdaFlashError
+from adaflash.feedback import topics
+from adaflash.feedback.broker import free_port
+from adaflash.governance.synthetic import ANOMALIES, CANARIES, PROMPT_TEMPLATES, TrafficGenerator
+from adaflash.workloads import DOMAINS, load_prompts
+
+# Per-record anomalies the demo plants on the raw topic. Floods are bursts of otherwise-valid
+# synthetic records that would reach the training buffer; the test suite covers them instead.
+PLANTED = tuple(a for a in ANOMALIES if a not in ("flood", "near_duplicate"))
+
+
+class ScenarioError(AdaFlashError):
+    """A step of the demo did not reach its expected state in time."""
+
+
+@dataclass
+class ScenarioConfig:
+    target: str = "smollm2"
+    drafter: Path = Path("drafters/smollm2-bootstrap")
+    home: Path = Path(".adaflash/demo")  # wiped at the start: every demo starts from nothing
+    requests: int = 48
+    pii_fraction: float = 0.3
+    anomalies_per_kind: int = 2
+    tenants: int = 4
+    concurrency: int = 8
+    max_tokens: int = 64
+    heldout_fraction: float = 0.25
+    epochs: int = 2
+    min_gain: float = 0.02
+    shadow_max_new_tokens: int = 48
+    timeout_s: float = 600.0
+    seed: int = 0
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+def _http_json(url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 300) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@contextmanager
+def _output_to(path: Path):
+    """Send this process's stdout/stderr (and its subprocesses') to `path` for the duration:
+    kfp.local streams every component's executor output, which drowns the demo's story."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _wait(what: str, check: Callable[[], object], timeout: float, every: float = 0.5, alive=lambda: None):
+    deadline = time.monotonic() + timeout
+    while True:
+        alive()  # raises as soon as a service the wait depends on has died
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+class Scenario:
+    def __init__(self, cfg: ScenarioConfig, console: Console) -> None:
+        from adaflash.stack import Stack, StackConfig
+
+        self.cfg, self.console = cfg, console
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines interleave the story
+        self.rng = random.Random(cfg.seed)
+        ports = {k: cfg.ports.get(k) or free_port() for k in ("broker", "registry", "serve")}
+        self.stack = Stack(
+            StackConfig(
+                home=cfg.home.resolve(),
+                target=cfg.target,
+                drafter=cfg.drafter.resolve(),
+                broker_port=ports["broker"],
+                registry_port=ports["registry"],
+                serve_port=ports["serve"],
+                watch=False,  # the demo runs the pipeline itself, in the foreground
+            )
+        )
+        self.base = f"http://127.0.0.1:{ports['serve']}"
+        self.report: dict = {"config": {**asdict(cfg), "drafter": str(cfg.drafter), "home": str(cfg.home)}}
+        self.canaries: list[str] = []
+
+    # -- steps ---------------------------------------------------------------------------------
+    def step(self, title: str) -> None:
+        self.console.rule(f"[bold]{title}")
+
+    def assert_alive(self) -> None:
+        for svc in self.stack.services:
+            if svc.pid() is None:
+                tail = svc.log_file.read_text(errors="replace").strip().splitlines()[-3:]
+                raise ScenarioError(f"{svc.name} exited; see {svc.log_file}: " + " | ".join(tail))
+
+    def serving_version(self) -> str | None:
+        return _http_json(self.base + "/health", timeout=10).get("drafter_version")
+
+    def wait_version(self, version: str) -> float:
+        t = time.monotonic()
+        _wait(
+            f"the server to serve drafter v{version}",
+            lambda: self.serving_version() == version,
+            120,
+            alive=self.assert_alive,
+        )
+        return time.monotonic() - t
+
+    def start(self) -> None:
+        self.step("1. adaflash up: broker, MLflow, serving engine, governance")
+        shutil.rmtree(self.cfg.home, ignore_errors=True)
+        # Children (serve's registry downloads, the pipeline) keep their state under the demo home.
+        os.environ["ADAFLASH_HOME"] = str(self.cfg.home.resolve())
+        with self.console.status("starting services...") as st:
+            self.stack.up(timeout=300, progress=lambda name: st.update(f"starting {name}..."))
+        for row in self.stack.status():
+            self.console.print(f"  {row['service']:<11} pid {row['pid']}  {row.get('where') or ''}")
+
+    def register_bootstrap(self) -> str:
+        self.step("2. register the bootstrap drafter as the first champion")
+        with self.registry() as reg:
+            v = reg.register(
+                self.cfg.drafter, lineage={"source": str(self.cfg.drafter)}, reason="demo bootstrap"
+            )
+            reg.promote(v, who="demo", reason="first champion")
+        took = self.wait_version(v)
+        self.console.print(
+            f"  v{v} is champion; the server follows the registry and serves v{v} ({took:.1f}s)"
+        )
+        return v
+
+    def registry(self):
+        from adaflash.models.targets import load_vocabulary
+        from adaflash.registry.client import RegistryClient
+
+        c = self.stack.cfg
+        return RegistryClient(
+            c.tracking_uri, load_vocabulary(c.target).fingerprint, bootstrap_servers=c.bootstrap_servers
+        )
+
+    def traffic(self) -> dict:
+        cfg = self.cfg
+        self.step(
+            f"3. traffic: {cfg.requests} chat requests (math / code / chat), {cfg.pii_fraction:.0%} with PII"
+        )
+        held = load_prompts("heldout")
+        # The newest held-out prompts of each domain in turn (bench and bootstrap eval read others).
+        pool = []
+        for i in range(cfg.requests):
+            dom = DOMAINS[i % len(DOMAINS)]
+            prompts = held[dom]
+            pool.append((dom, prompts[-1 - (i // len(DOMAINS)) % len(prompts)].text))
+        jobs = []
+        for i, (dom, text) in enumerate(pool):
+            if self.rng.random() < cfg.pii_fraction:
+                ent = self.rng.choice(list(CANARIES))
+                value = CANARIES[ent](self.rng)
+                self.canaries.append(value)
+                text = self.rng.choice(PROMPT_TEMPLATES[ent]).format(v=value) + " " + text
+            jobs.append((f"tenant-{i % cfg.tenants}", dom, text))
+
+        def call(job):
+            tenant, dom, text = job
+            body = {
+                "model": "adaflash",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": cfg.max_tokens,
+                "temperature": 0,
+            }
+            return _http_json(
+                self.base + "/v1/chat/completions", body, {"X-Tenant-Id": tenant, "X-Domain": dom}
+            )
+
+        t = time.monotonic()
+        with self.console.status(f"serving {len(jobs)} requests at concurrency {cfg.concurrency}..."):
+            with ThreadPoolExecutor(cfg.concurrency) as pool_:
+                out = list(pool_.map(call, jobs))
+        wall = time.monotonic() - t
+        tokens = sum(r["usage"]["completion_tokens"] for r in out)
+        self.console.print(
+            f"  {len(out)} answered, {tokens} tokens in {wall:.1f}s ({tokens / wall:.1f} tok/s); "
+            f"{len(self.canaries)} prompts carry a PII canary"
+        )
+        return {
+            "requests": len(out),
+            "completion_tokens": tokens,
+            "seconds": wall,
+            "pii_prompts": len(self.canaries),
+        }
+
+    def plant_anomalies(self) -> int:
+        from kafka import KafkaProducer
+
+        from adaflash.models.targets import load_vocabulary
+
+        self.step(f"4. plant malformed / anomalous records on {topics.RAW}")
+        gen = TrafficGenerator(
+            load_vocabulary(self.cfg.target), ["Summarise the attached report."], seed=self.cfg.seed
+        )
+        msgs = [m for kind in PLANTED for _ in range(self.cfg.anomalies_per_kind) for m in gen.anomaly(kind)]
+        for m in msgs:
+            self.canaries += [v for _, v in m.planted.canaries]
+        producer = KafkaProducer(bootstrap_servers=self.stack.cfg.bootstrap_servers, acks="all")
+        for f in [producer.send(topics.RAW, key=m.key, value=m.value) for m in msgs]:
+            f.get(timeout=30)
+        producer.close()
+        self.console.print(f"  {len(msgs)} records: {', '.join(PLANTED)} (×{self.cfg.anomalies_per_kind})")
+        return len(msgs)
+
+    def governance(self, expected: int) -> dict:
+        from adaflash.governance.lineage import LineageStore
+
+        self.step("5. governance: Presidio scrub, Great Expectations checks, filters, buffer, lineage")
+        store = LineageStore(self.gov_dir / "lineage.sqlite")
+        try:
+            with self.console.status(f"waiting for governance to account for {expected} records..."):
+                _wait(
+                    "governance to process every record",
+                    lambda: store.totals()["in"] >= expected,
+                    self.cfg.timeout_s,
+                    1,
+                    alive=self.assert_alive,
+                )
+            totals = store.totals()
+            reasons: dict[str, int] = {}
+            pii: dict[str, int] = {}
+            for b in store.audit(limit=10_000):
+                for k, v in b["reasons"].items():
+                    reasons[k] = reasons.get(k, 0) + v
+                for k, v in b["pii_entities"].items():
+                    pii[k] = pii.get(k, 0) + v
+        finally:
+            store.close()
+        t = Table(title="governance")
+        for col in ("in", "clean", "quarantined", "duplicate", "quarantine reasons", "PII entities scrubbed"):
+            t.add_column(col, justify="right")
+        t.add_row(
+            str(totals["in"]), str(totals["clean"]), str(totals["quarantined"]), str(totals["duplicate"]),
+            ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())),
+            ", ".join(f"{k} {v}" for k, v in sorted(pii.items())),
+        )  # fmt: skip
+        self.console.print(t)
+        return {**totals, "reasons": reasons, "pii_entities": pii}
+
+    @property
+    def gov_dir(self) -> Path:
+        return self.cfg.home.resolve() / "governance"
+
+    def pipeline(self, clean: int) -> dict:
+        from adaflash.pipelines.continual import run_local
+
+        cfg = self.cfg
+        self.step(
+            "6. continual-training pipeline (kfp.local): ingest → train → shadow eval → register → gate"
+        )
+        c = self.stack.cfg
+        t = time.monotonic()
+        log = cfg.home.resolve() / "pipeline.log"
+        self.console.print(f"  running; each step is a kfp.local subprocess (log: {log})")
+        with _output_to(log):
+            run_local(
+                cfg.home.resolve() / "kfp",
+                target=cfg.target,
+                governance_dir=str(self.gov_dir),
+                tracking_uri=c.tracking_uri,
+                fallback_drafter=str(cfg.drafter.resolve()),
+                bootstrap_servers=c.bootstrap_servers,
+                min_records=min(clean, 128),
+                heldout_fraction=cfg.heldout_fraction,
+                epochs=cfg.epochs,
+                min_gain=cfg.min_gain,
+                concurrency=cfg.concurrency,
+                max_new_tokens=cfg.shadow_max_new_tokens,
+                gate_mode="auto",
+            )
+        with self.registry() as reg:
+            latest = max(reg.versions(), key=lambda v: int(v.version))
+        self.console.print(
+            f"  pipeline finished in {time.monotonic() - t:.0f}s; registered v{latest.version}"
+        )
+        return {"seconds": time.monotonic() - t, "version": latest.version, "description": latest.description}
+
+    def promotion(self, version: str, champion_before: str) -> dict:
+        self.step("7. gate decision and fleet reload")
+        with self.registry() as reg:
+            champion = reg.champion()
+            info = reg.show(version)
+        gate_promoted = champion == version
+        self.console.print(f"  gate: {info.description}")
+        if not gate_promoted:
+            # The gate said no. A platform engineer may still promote by hand, with a recorded
+            # reason; the demo does so to exercise the rest of the loop and says it did.
+            self.console.print(
+                f"  [yellow]the challenger did not beat v{champion_before}; approving it by hand so the "
+                "demo can show promotion and rollback (recorded as a manual override)[/]"
+            )
+            with self.registry() as reg:
+                reg.promote(version, who="demo", reason="manual override in the demo after a gate rejection")
+        took = self.wait_version(version)
+        self.console.print(
+            f"  the server hot-reloaded v{version} {took:.1f}s after the promotion was visible"
+        )
+        return {"gate_promoted": gate_promoted, "reload_seconds": took, "metrics": info.metrics}
+
+    def lineage(self, version: str) -> dict:
+        from adaflash.governance.lineage import LineageStore
+
+        self.step("8. lineage, both ways")
+        store = LineageStore(self.gov_dir / "lineage.sqlite")
+        try:
+            ids = store.records_for_version(version)
+            rec = store.record(ids[0]) if ids else None
+        finally:
+            store.close()
+        if rec is None:
+            raise ScenarioError(f"v{version} names no training records in the lineage store")
+        self.console.print(f"  adaflash lineage version {version}: {len(ids)} records")
+        self.console.print(
+            f"  adaflash lineage record {ids[0]}: tenant {rec['tenant_id']}, shard {rec['shard_id']}, "
+            f"trained into {rec['trained_into']}"
+        )
+        return {"records": len(ids), "example": ids[0], "trained_into": rec["trained_into"]}
+
+    def rollback(self, expected: str) -> dict:
+        self.step("9. rollback")
+        with self.registry() as reg:
+            ev = reg.rollback(who="demo", reason="demo: exercising the one-command rollback")
+        took = self.wait_version(expected)
+        self.console.print(
+            f"  adaflash registry rollback → v{ev.version} champion; the server serves it after {took:.1f}s"
+        )
+        return {"version": ev.version, "reload_seconds": took}
+
+    def privacy(self) -> dict:
+        """Grep everything the demo left at rest for the planted PII values."""
+        self.step("10. no PII at rest")
+        found, files = [], 0
+        for p in self.cfg.home.rglob("*"):
+            if not p.is_file():
+                continue
+            files += 1
+            data = p.read_bytes()
+            found += [(str(p), v) for v in self.canaries if v.encode() in data]
+        self.console.print(
+            f"  {len(set(self.canaries))} planted values searched in {files} files under {self.cfg.home}: "
+            f"{'none found' if not found else f'[red]{len(found)} found[/]'}"
+        )
+        if found:
+            raise ScenarioError(f"PII at rest: {found[:3]}")
+        return {"values": len(set(self.canaries)), "files": files, "found": 0}
+
+    # -- the table ------------------------------------------------------------------------------
+    def before_after(self, before: str, after: str, metrics: dict, fleet: dict) -> None:
+        def m(prefix: str, dom: str, key: str) -> float | None:
+            v = metrics.get(f"{prefix}.{dom}.{key}")
+            return float(v) if v not in (None, "None") else None
+
+        t = Table(title=f"before (v{before}, bootstrap) vs after (v{after}, retrained on governed traffic)")
+        for col in ("shadow eval on held-out traffic", "before", "after", "change"):
+            t.add_column(col, justify="right")
+        doms = sorted(
+            {k.split(".")[1] for k in metrics if k.startswith("shadow.")}, key=lambda d: (d != "all", d)
+        )
+        rows = [
+            ("τ over the full block", "tau_full"),
+            ("τ served (k̂-censored)", "tau"),
+            ("mean k̂", "mean_verify_len"),
+            ("verified / output token", "verified_per_output_token"),
+            ("tok/s", "tps"),
+            ("|â − a*|", "calibration_error"),
+        ]
+        for dom in doms:
+            for label, key in rows if dom == "all" else rows[:1]:
+                a, b = m("champion", dom, key), m("shadow", dom, key)
+                if a is None or b is None:
+                    continue
+                change = f"{(b / a - 1):+.1%}" if a else "–"
+                t.add_row(f"{dom}: {label}", f"{a:.3f}", f"{b:.3f}", change)
+        t.add_row("served by the fleet", f"v{before}", f"v{after} (reload {fleet['promote_s']:.1f}s)",
+                  f"rollback → v{fleet['rollback_version']} ({fleet['rollback_s']:.1f}s)")  # fmt: skip
+        self.console.print(t)
+
+    def run(self) -> dict:
+        r = self.report
+        self.start()
+        try:
+            before = self.register_bootstrap()
+            r["traffic"] = self.traffic()
+            planted = self.plant_anomalies()
+            r["governance"] = self.governance(r["traffic"]["requests"] + planted)
+            r["pipeline"] = self.pipeline(r["governance"]["clean"])
+            after = r["pipeline"]["version"]
+            r["promotion"] = self.promotion(after, before)
+            r["lineage"] = self.lineage(after)
+            r["rollback"] = self.rollback(before)
+            r["privacy"] = self.privacy()
+            fleet = {
+                "promote_s": r["promotion"]["reload_seconds"],
+                "rollback_version": r["rollback"]["version"],
+                "rollback_s": r["rollback"]["reload_seconds"],
+            }
+            self.before_after(before, after, r["promotion"]["metrics"], fleet)
+        finally:
+            with self.console.status("adaflash down..."):
+                self.stack.down()
+        out = self.cfg.home / "scenario.json"
+        out.write_text(json.dumps(r, indent=2, default=str))
+        self.console.print(f"report: {out}")
+        return r
