@@ -143,3 +143,27 @@ def test_shadow_eval_promotes_a_better_challenger_and_rejects_a_degraded_one(tra
     rejected = gate(chall, bad)
     assert not rejected.promote
     assert any("does not beat" in r or "regresses" in r for r in rejected.reasons)
+
+
+def _report(all_full, all_tau, domains, lossless=True):
+    rows = {"all": {"n": sum(n for n, _, _ in domains.values()), "tau_full": all_full, "tau": all_tau}}
+    rows.update({d: {"n": n, "tau_full": full, "tau": tau} for d, (n, full, tau) in domains.items()})
+    return {"lossless": lossless, "domains": rows}
+
+
+def test_gate_on_full_block_tau_guards_served_tau_and_ignores_tiny_domains():
+    champ = _report(1.05, 1.0, {"code": (6, 1.05, 1.0), "chat": (3, 1.05, 1.0)})
+    # Served τ equal (k̂ = 1 for both), full-block τ +5%: promoted. A 3-record domain's dip cannot veto.
+    better = _report(1.10, 1.0, {"code": (6, 1.12, 1.0), "chat": (3, 1.00, 1.0)})
+    assert gate(champ, better).promote
+    # The same dip in a domain with enough held-out records vetoes it.
+    champ6 = _report(1.05, 1.0, {"code": (6, 1.05, 1.0), "chat": (6, 1.05, 1.0)})
+    veto = gate(champ6, _report(1.10, 1.0, {"code": (6, 1.12, 1.0), "chat": (6, 1.00, 1.0)}))
+    assert not veto.promote and any("chat: tau_full" in r for r in veto.reasons)
+    # A better drafter whose served τ drops (the head verifies worse) is not promoted.
+    served = gate(champ, _report(1.10, 0.95, {"code": (6, 1.12, 0.95), "chat": (3, 1.1, 1.0)}))
+    assert not served.promote and any("domain all: tau 0.950" in r for r in served.reasons)
+    # Not lossless: never.
+    assert not gate(champ, _report(1.5, 1.2, {"code": (6, 1.5, 1.2)}, lossless=False)).promote
+    # Gating on served τ instead: equal served τ does not beat the champion.
+    assert not gate(champ, better, GatePolicy(metric="tau")).promote

@@ -101,6 +101,9 @@ class GatePolicy:
     # even while the length head still verifies k̂ = 1 and the served τ cannot move yet; the served
     # τ is then guarded against regression. "tau" (served) or "tps" gate on serving directly.
     metric: str = "tau_full"
+    # A domain with fewer held-out records than this cannot veto a promotion on its own: a τ over
+    # three prompts moves by more than the tolerance from one prompt's luck. It still counts in "all".
+    min_domain_records: int = 5
 
 
 @dataclass
@@ -124,7 +127,7 @@ def gate(champion: dict, challenger: dict, policy: GatePolicy = GatePolicy()) ->
     tol = 1 - policy.max_domain_regression
     for dom, row in challenger["domains"].items():
         old = champion["domains"].get(dom)
-        if not old:
+        if not old or (dom != "all" and row.get("n", policy.min_domain_records) < policy.min_domain_records):
             continue
         for key in dict.fromkeys((m, "tau")):
             if (dom != "all" or key != m) and row[key] < old[key] * tol:
