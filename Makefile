@@ -41,14 +41,14 @@ lint: setup
 # The measured bootstrap of the README (BUDGET minutes, default 120).
 BUDGET ?= 120
 bootstrap: setup
-	$(VENV)/bin/adaflash drafter bootstrap --target smollm2 --out drafters/smollm2-bootstrap --budget-minutes $(BUDGET)
+	$(VENV)/bin/adaflash drafter bootstrap --target smollm2 --out drafters/smollm2 --budget-minutes $(BUDGET)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .adaflash
 
 # -- serving (issue 3) -----------------------------------------------------------------------------
 .PHONY: serve bench-serving
-DRAFTER ?= drafters/smollm2-bootstrap
+DRAFTER ?= drafters/smollm2
 
 serve: setup
 	$(VENV)/bin/adaflash serve --target smollm2 --drafter $(DRAFTER) --port 8000

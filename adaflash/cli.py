@@ -83,109 +83,146 @@ def generate(
 def bootstrap(
     out: Annotated[Path, typer.Option(help="drafter directory to write (resumed if it exists)")],
     target: TargetOpt = "smollm2",
-    budget_minutes: Annotated[float, typer.Option(help="wall-clock budget, data generation included")] = 30.0,
-    data_fraction: Annotated[float, typer.Option(help="max share of the budget for new responses")] = 0.5,
+    steps: Annotated[int, typer.Option(help="optimiser steps (the run's length; not a time budget)")] = 3000,
+    budget_minutes: Annotated[
+        float | None, typer.Option(help="optional cap on the whole run, generation included")
+    ] = None,
     block_size: Annotated[int, typer.Option()] = 16,
     layers: Annotated[int, typer.Option(help="drafter layers")] = 3,
-    loss: Annotated[str, typer.Option(help="ce | fkl | opd")] = "fkl",
+    lr: Annotated[float, typer.Option(help="peak drafter learning rate (warm-up + cosine)")] = 6e-4,
+    anchors: Annotated[int, typer.Option(help="anchor blocks per sequence per step")] = 64,
+    seqs_per_step: Annotated[int, typer.Option(help="sequences per optimiser step")] = 4,
+    kl_weight: Annotated[float, typer.Option(help="> 0: CE + top-k forward KL (teacher top-32)")] = 0.0,
+    bf16: Annotated[bool, typer.Option(help="bf16 autocast for training steps")] = False,
+    init_from_target: Annotated[bool, typer.Option(help="start from the target's top layers")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="response length cap of the training data")] = 256,
+    max_train_prompts: Annotated[int | None, typer.Option(help="use only the first N train prompts")] = None,
+    generate: Annotated[bool, typer.Option(help="generate responses the committed corpus lacks")] = True,
+    refresh_every: Annotated[
+        int, typer.Option(help="every N steps, train also on responses newly in the cache (0: off)")
+    ] = 0,
     eval_per_domain: Annotated[int, typer.Option(help="held-out prompts per domain for τ")] = 40,
     data_dir: Annotated[Path | None, typer.Option(help="prompt sets (default ../shared/data)")] = None,
     seed: Annotated[int, typer.Option()] = 0,
-    lr: Annotated[float, typer.Option(help="drafter learning rate")] = 3e-4,
-    standardize_fc: Annotated[bool, typer.Option(help="fold feature standardisation into fc's init")] = True,
 ) -> None:
-    """Train the offline "DFlash" drafter + length head on the target's own greedy responses."""
+    """Train the offline "DFlash" drafter + length head on the target's own greedy responses.
+
+    Responses come from the committed corpus (data/responses/) and the cache; missing ones are
+    generated. Features are stored once; steps never run the target. Resumable: rerun the same
+    command to continue."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from adaflash.training.bootstrap import BootstrapConfig, BootstrapTrainer
 
-    if loss not in ("ce", "fkl", "opd"):
-        raise InputError(f"unknown loss {loss!r}: choose ce, fkl or opd")
-    if budget_minutes <= 0:
+    if steps < 0:
+        raise InputError("--steps must be >= 0")
+    if budget_minutes is not None and budget_minutes <= 0:
         raise InputError("--budget-minutes must be > 0")
     tgt, _ = _load(target, None)
     cfg = BootstrapConfig(
+        steps=steps,
         budget_minutes=budget_minutes,
-        data_fraction=data_fraction,
         block_size=block_size,
         num_layers=layers,
-        loss=loss,
+        lr=lr,
+        anchors_per_seq=anchors,
+        seqs_per_step=seqs_per_step,
+        kl_weight=kl_weight,
+        teacher_topk=32 if kl_weight > 0 else 0,
+        bf16=bf16,
+        init_from_target=init_from_target,
         max_new_tokens=max_new_tokens,
+        max_train_prompts=max_train_prompts,
+        generate_missing=generate,
+        refresh_every_steps=refresh_every,
         eval_per_domain=eval_per_domain,
         seed=seed,
-        lr=lr,
-        standardize_fc=standardize_fc,
     )
-    total_s = budget_minutes * 60
+    import time
+
+    t0 = time.time()
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f}"),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=err_console,
     ) as progress:
-        task = progress.add_task("bootstrap", total=total_s, info="")
-        import time
+        tasks: dict[str, int] = {}
 
-        t0 = time.time()
+        def bar(name: str, total: float | None) -> int:
+            if name not in tasks:
+                tasks[name] = progress.add_task(name, total=total, info="")
+            return tasks[name]
 
         def on(kind: str, info: dict) -> None:
-            desc = {
-                "generate": "generating responses",
-                "step": "training",
-                "curve": "training",
-                "evaluate": "evaluating",
-                "train_start": "training",
-            }.get(kind, kind)
             text = ""
-            if kind == "generate":
+            if kind == "corpus":
+                text = f"{info['split']}: {info['responses']} responses from the committed corpus"
+            elif kind == "generate":
+                tid = bar(f"generate {info['split']}", None)
+                progress.update(tid, advance=info["prompts"], info=f"{info['tokens']} tokens")
                 text = f"{info['split']} +{info['prompts']} prompts, {info['tokens']} tokens"
-            elif kind == "step":
-                text = f"step {info['step']} loss {info['loss']:.3f} head_mse {info['head_mse']:.3f}"
+            elif kind == "features_start":
+                gb = info["bytes"] / 1e9
+                text = f"{info['split']}: {info['sequences']} sequences to store (~{gb:.2f} GB)"
+                bar(f"features {info['split']}", info["sequences"])
+            elif kind == "features":
+                progress.update(bar(f"features {info['split']}", None), advance=info["sequences"])
             elif kind == "train_start":
-                text = f"{info['sequences']} sequences, {info['tokens']} response tokens"
+                text = f"{info['sequences']} sequences, {info['tokens']} tokens, vocab {info['vocab']}"
+                progress.update(bar("train", info["steps"]), completed=0)
+            elif kind == "step":
+                progress.update(
+                    bar("train", info["steps"]),
+                    completed=info["step"],
+                    info=f"loss {info['loss']:.3f} acc1 {info['acc1']:.2f} lr {info['lr']:.1e}",
+                )
+                if info["step"] % 50 == 0:
+                    text = f"step {info['step']} loss {info['loss']:.3f} acc1 {info['acc1']:.2f}"
+            elif kind == "head":
+                progress.update(bar("length head", info["head_steps"]), completed=info["head_step"],
+                                info=f"mse {info['mse']:.4f}")  # fmt: skip
             elif kind == "evaluate":
-                text = f"{info['sequences']} held-out sequences"
+                text = f"evaluating on {info['sequences']} held-out sequences"
+            elif kind == "refresh":
+                text = f"data grew to {info['sequences']} sequences, {info['tokens']} tokens"
             elif kind == "resume":
-                text = f"resuming at step {info['step']}"
+                text = f"resuming at step {info['step']} (head step {info['head_step']})"
             elif kind == "curve":
-                text = f"held-out τ {info['dflash_tau']:.2f} after {info['train_minutes']} min"
-                if err_console.is_terminal:  # keep each curve point on screen
-                    err_console.print(
-                        f"  τ(dflash, subset) = {info['dflash_tau']:.3f} at {info['train_minutes']} train-min"
-                    )
-            progress.update(
-                task,
-                completed=min(time.time() - t0, total_s),
-                description=desc,
-                info=text or progress.tasks[0].fields["info"],
-            )
-            # Piped to a file (CI, nohup) rich draws nothing live: log plain lines instead.
-            if not err_console.is_terminal and text and (kind != "step" or info["step"] % 25 == 0):
-                print(f"[{(time.time() - t0) / 60:6.1f} min] {desc}: {text}", file=sys.stderr, flush=True)
+                text = f"held-out τ {info['dflash_tau']:.3f}, acc@1 {info['accept_1']:.3f} @ {info['step']}"
+            if text:
+                if err_console.is_terminal:
+                    progress.console.print(f"  {text}")
+                else:  # piped (CI, nohup): rich draws nothing live, so log plain lines
+                    print(f"[{(time.time() - t0) / 60:6.1f} min] {text}", file=sys.stderr, flush=True)
 
-        metrics = BootstrapTrainer(tgt, out, cfg, data_dir, on).run()
+        command = "adaflash " + " ".join(sys.argv[1:])
+        metrics = BootstrapTrainer(tgt, out, cfg, data_dir, on).run(command)
     _print_bootstrap(metrics, out)
 
 
 def _print_bootstrap(metrics: dict, out: Path) -> None:
     t = Table(title=f"held-out acceptance — {out}")
-    for col in ("domain", "n", "τ dflash", "τ adaflash", "mean k̂", "|â−a*|"):
+    for col in ("domain", "n", "τ dflash", "τ n-gram", "acc@1", "τ adaflash", "mean k̂", "|â−a*|"):
         t.add_column(col, justify="right")
     for dom, row in metrics["heldout"].items():
         t.add_row(
             dom,
             str(row["n_sequences"]),
             f"{row['dflash_tau']:.3f}",
+            f"{row.get('ngram_tau', float('nan')):.3f}",
+            f"{row['accept_rate_by_position'][0]:.3f}",
             f"{row.get('adaflash_tau', float('nan')):.3f}",
             f"{row.get('adaflash_mean_verify_len', float('nan')):.2f}",
             f"{row.get('length_head_mae', float('nan')):.3f}",
         )
     console.print(t)
     console.print(
-        f"trained {metrics['train_minutes']} min on {metrics['train_sequences']} sequences "
+        f"trained {metrics['steps']} steps ({metrics['train_minutes']} min) on "
+        f"{metrics['train_sequences']} sequences "
         f"({metrics['train_tokens']} tokens); metrics in {out / 'bootstrap_metrics.json'}"
     )
 
@@ -217,9 +254,8 @@ def demo(
     target: TargetOpt = "smollm2",
     drafter: Annotated[
         Path | None,
-        typer.Option(help="drafter dir; default drafters/smollm2-bootstrap if present, else a demo one"),
+        typer.Option(help="drafter dir (default: the shipped drafters/smollm2; tiny: a quick one)"),
     ] = None,
-    budget_minutes: Annotated[float, typer.Option(help="bootstrap budget when no drafter exists")] = 12.0,
     requests: Annotated[int, typer.Option(help="chat requests of demo traffic")] = 48,
     max_tokens: Annotated[int, typer.Option(help="tokens per answer")] = 64,
     epochs: Annotated[int, typer.Option(help="pipeline training epochs")] = 2,
@@ -227,16 +263,22 @@ def demo(
         ".adaflash/demo"
     ),
 ) -> None:
-    """The whole loop once: traffic → governance → pipeline → promotion → reload → lineage → rollback."""
+    """The whole loop once: traffic → governance → pipeline → promotion → reload → lineage → rollback.
+
+    Serves the drafter that ships in git; it never trains one on the fly (a loaded machine would
+    only make that slower, never different)."""
     from adaflash.scenario import Scenario, ScenarioConfig
 
     _setup_torch()
     if drafter is None:
-        measured = Path("drafters/smollm2-bootstrap")
-        drafter = measured if (measured / "config.json").exists() else Path(".cache/demo-drafter")
+        if target != "smollm2":
+            raise InputError("--drafter DIR is required for targets other than smollm2")
+        drafter = Path("drafters/smollm2")
     if not (drafter / "config.json").exists():
-        console.print(f"[bold]No drafter at {drafter}: bootstrapping one ({budget_minutes} min budget)[/]")
-        bootstrap(out=drafter, target=target, budget_minutes=budget_minutes, eval_per_domain=10)
+        raise InputError(
+            f"no drafter at {drafter}: a checkout ships drafters/smollm2 (git status shows whether it "
+            "was deleted); `make bootstrap` rebuilds it"
+        )
     cfg = ScenarioConfig(
         target=target, drafter=drafter, home=home, requests=requests, max_tokens=max_tokens, epochs=epochs
     )
@@ -246,7 +288,7 @@ def demo(
 @app.command()
 def compare(
     target: TargetOpt = "smollm2",
-    drafter: Annotated[Path, typer.Option(help="drafter dir")] = Path("drafters/smollm2-bootstrap"),
+    drafter: Annotated[Path, typer.Option(help="drafter dir")] = Path("drafters/smollm2"),
     prompts_per_domain: Annotated[int, typer.Option()] = 3,
     max_new_tokens: Annotated[int, typer.Option()] = 96,
 ) -> None:
@@ -282,10 +324,22 @@ GovDirOpt = Annotated[
 ]
 
 
-def _broker(port: int):
+def _broker(port: int | None):
+    """The broker of $ADAFLASH_HOME; without --port, on the port it was started on (its pid file)."""
     from adaflash.feedback.broker import Broker
 
-    return Broker(_home() / "broker", port=port)
+    state = _home() / "broker"
+    if port is None:
+        try:
+            port = int(json.loads((state / "broker.json").read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            port = 9092
+    return Broker(state, port=port)
+
+
+BrokerPortQuery = Annotated[
+    int | None, typer.Option("--port", help="default: the port `broker start` used, else 9092")
+]
 
 
 @broker_app.command("start")
@@ -297,13 +351,13 @@ def broker_start(port: Annotated[int, typer.Option(help="loopback port")] = 9092
 
 
 @broker_app.command("stop")
-def broker_stop(port: Annotated[int, typer.Option()] = 9092) -> None:
+def broker_stop(port: BrokerPortQuery = None) -> None:
     """Stop the broker started by `adaflash broker start`."""
     console.print("broker stopped" if _broker(port).stop() else "no broker was running")
 
 
 @broker_app.command("status")
-def broker_status(port: Annotated[int, typer.Option()] = 9092) -> None:
+def broker_status(port: BrokerPortQuery = None) -> None:
     """Show whether the broker is up, and its topics."""
     st = _broker(port).status()
     if st["running"]:
@@ -370,11 +424,15 @@ def governance_bench(
     ),
     data_dir: Annotated[Path | None, typer.Option(help="prompt sets (default ../shared/data)")] = None,
     workers: Annotated[int, typer.Option(help="also measure N governance processes side by side")] = 2,
+    pii: Annotated[
+        str, typer.Option(help="PII layers: both (default) | presidio (context boost) | legacy (issue 4)")
+    ] = "both",
+    quality: Annotated[bool, typer.Option(help="also measure false positives on the PII-free sets")] = True,
 ) -> None:
     """Measure governance records/s on this machine and where the time goes (vs raw spaCy)."""
     from adaflash.governance.bench import run_bench
 
-    run_bench(target, records, batch_size, out, data_dir, console, workers)
+    run_bench(target, records, batch_size, out, data_dir, console, workers, pii=pii, quality=quality)
 
 
 def _lineage(data_dir: Path | None):
@@ -470,8 +528,43 @@ def _registry(target: str, tracking_uri: str, bootstrap_servers: str = ""):
 
     vocab = load_vocabulary(target)  # the fingerprint without loading the weights
     return RegistryClient(
-        tracking_uri, vocab.fingerprint, vocab.name, bootstrap_servers=bootstrap_servers or None
+        tracking_uri,
+        vocab.fingerprint,
+        vocab.name,
+        bootstrap_servers=bootstrap_servers or None,
+        check_drafter=_drafter_check(target, vocab),
     )
+
+
+def _drafter_check(target: str, vocab):
+    """What a server's reload checks (`load_drafter_for`: config, every tensor, fingerprint,
+    shapes), from the target's config alone — `registry register` refuses what servers would."""
+
+    def check(d: Path) -> None:
+        from adaflash.models.checkpoint import load_drafter
+
+        hidden = layers = None
+        if target == "tiny":
+            from adaflash.models.targets import tiny_target
+
+            c = tiny_target().config
+            hidden, layers = c.hidden_size, c.num_layers
+        else:
+            from adaflash.models.targets import smollm2_dir
+
+            cfg = (smollm2_dir() if target == "smollm2" else Path(target).expanduser()) / "config.json"
+            if cfg.is_file():
+                hf = json.loads(cfg.read_text())
+                hidden, layers = hf.get("hidden_size"), hf.get("num_hidden_layers")
+        load_drafter(
+            d,
+            target_fingerprint=vocab.fingerprint,
+            target_vocab_size=vocab.vocab_size,
+            target_hidden_size=hidden,
+            target_num_layers=layers,
+        )
+
+    return check
 
 
 def _registry_server(port: int, state_dir: Path | None):
@@ -731,6 +824,21 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _exit_when_engine_dies(engine) -> None:
+    """A step loop that gave up (repeated failed steps) cannot recover in-process: exit non-zero so
+    the supervisor (`adaflash up`, systemd, Kubernetes) restarts the server instead of leaving a
+    process that answers /health 503 forever."""
+    import threading
+
+    def watch() -> None:
+        engine._thread.join()
+        if engine.failure is not None:
+            err_console.print(f"error: the engine's step loop stopped: {engine.failure!r}; exiting")
+            os._exit(70)  # EX_SOFTWARE
+
+    threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
+
+
 @app.command()
 def serve(
     target: TargetOpt = "smollm2",
@@ -793,8 +901,13 @@ def serve(
 
         emitter = FeedbackEmitter(engine, FeedbackProducer(ProducerConfig(bootstrap_servers, spool_dir)))
     token = os.environ.get("ADAFLASH_ADMIN_TOKEN") or None
-    app_ = create_app(engine, ServerSettings(model_name=model_name, admin_token=token))
+    app_ = create_app(
+        engine,
+        ServerSettings(model_name=model_name, admin_token=token),
+        feedback=emitter.producer if emitter is not None else None,
+    )
     engine.start()
+    _exit_when_engine_dies(engine)
     follower = None
     if follow_registry:
         from adaflash.serving.champion_follower import ChampionFollower
@@ -873,7 +986,7 @@ def bench(
 def adapt(
     target: TargetOpt = "smollm2",
     drafter: Annotated[Path, typer.Option(help="the bootstrap drafter every learner starts from")] = Path(
-        "drafters/smollm2-bootstrap"
+        "drafters/smollm2"
     ),
     rounds: Annotated[int, typer.Option(help="rounds of shifted traffic")] = 6,
     per_round: Annotated[int, typer.Option(help="new prompts served per round")] = 16,
@@ -926,7 +1039,7 @@ def pipeline_run(
     target: TargetOpt = "smollm2",
     fallback_drafter: Annotated[
         Path, typer.Option(help="champion to warm-start from until the registry has one")
-    ] = Path("drafters/smollm2-bootstrap"),
+    ] = Path("drafters/smollm2"),
     tracking_uri: Annotated[
         str, typer.Option(help="MLflow tracking/registry server")
     ] = "http://127.0.0.1:5000",
@@ -1011,7 +1124,7 @@ def pipeline_watch(
     max_runs: Annotated[int | None, typer.Option(help="stop after this many runs")] = None,
     tracking_uri: Annotated[str, typer.Option()] = "http://127.0.0.1:5000",
     bootstrap_servers: BootstrapOpt = "",
-    fallback_drafter: Annotated[Path, typer.Option()] = Path("drafters/smollm2-bootstrap"),
+    fallback_drafter: Annotated[Path, typer.Option()] = Path("drafters/smollm2"),
 ) -> None:
     """Run the pipeline locally whenever enough new clean records exist."""
     from adaflash.pipelines.schedule import watch
@@ -1151,7 +1264,7 @@ def up(
     target: TargetOpt = "smollm2",
     drafter: Annotated[
         Path | None, typer.Option(help="bootstrap drafter, served until a champion exists")
-    ] = Path("drafters/smollm2-bootstrap"),
+    ] = Path("drafters/smollm2"),
     broker_port: BrokerPortOpt = 9092,
     registry_port: RegistryPortOpt = 5000,
     port: ServePortOpt = 8000,
@@ -1275,11 +1388,13 @@ def main() -> None:
         err_console.print("aborted")
         sys.exit(130)
     except Exception as e:  # click's usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+        # (typer vendors its own click: match its exceptions by shape, not by class)
+        fmt, code = getattr(e, "format_message", None), getattr(e, "exit_code", None)
+        if callable(fmt) and isinstance(code, int):
+            ctx = getattr(e, "ctx", None)
+            where = f"{ctx.command_path}: " if ctx is not None and getattr(ctx, "command_path", "") else ""
+            print(f"error: {where}{' '.join(fmt().split())}", file=sys.stderr)  # one line
+            sys.exit(2 if code in (1, 2) else code)
         raise
     if isinstance(rc, int) and rc:
         sys.exit(rc)

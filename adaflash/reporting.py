@@ -18,23 +18,24 @@ def plot_tau_vs_budget(metrics: dict, out: Path) -> Path:
     full = [p for p in curve if p.get("subset") == "full"]
     if sub:
         ax.plot(
-            [p["train_minutes"] for p in sub],
+            [p.get("step", p["train_minutes"]) for p in sub],
             [p["dflash_tau"] for p in sub],
             "o-",
             label=f"held-out subset ({sub[0]['subset']})",
         )
     if full:
         ax.plot(
-            [p["train_minutes"] for p in full],
+            [p.get("step", p["train_minutes"]) for p in full],
             [p["dflash_tau"] for p in full],
             "s",
             color="C3",
             label="full held-out evaluation",
         )
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("training minutes (2 CPU cores)")
+    by_step = all("step" in p for p in curve)
+    ax.set_xlabel("optimiser steps" if by_step else "training minutes (2 CPU cores)")
     ax.set_ylabel("τ (tokens per target forward)")
-    ax.set_title(f"Bootstrap on {metrics['target']}: τ vs training budget")
+    ax.set_title(f"Bootstrap on {metrics['target']}: τ vs training")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -47,7 +47,7 @@ class ScenarioError(AdaFlashError):
 @dataclass
 class ScenarioConfig:
     target: str = "smollm2"
-    drafter: Path = Path("drafters/smollm2-bootstrap")
+    drafter: Path = Path("drafters/smollm2")
     home: Path = Path(".adaflash/demo")  # wiped at the start: every demo starts from nothing
     requests: int = 48
     pii_fraction: float = 0.3

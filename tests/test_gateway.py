@@ -26,7 +26,7 @@ def _ask(client: openai.OpenAI, i: int) -> tuple[str, list[int]]:
     prompt = f"tell me about {i} things"
     if chat:
         r = client.chat.completions.create(
-            model="m",
+            model="adaflash",
             messages=[{"role": "user", "content": prompt}],
             max_tokens=12,
             temperature=0,
@@ -39,7 +39,9 @@ def _ask(client: openai.OpenAI, i: int) -> tuple[str, list[int]]:
             text += ch.choices[0].delta.content or ""
             ids += ch.choices[0].model_extra.get("token_ids") or []
         return text, ids
-    r = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, stream=stream)
+    r = client.completions.create(
+        model="adaflash", prompt=prompt, max_tokens=12, temperature=0, stream=stream
+    )
     if not stream:
         return r.choices[0].text, r.choices[0].model_extra["token_ids"]
     text, ids = "", []

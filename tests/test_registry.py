@@ -236,9 +236,11 @@ def test_no_broker_logs_and_keeps_the_action(drafters, client, caplog):
     # Only the newest challenger waits for approval; the one it superseded stops waiting.
     assert [p.version for p in reg.pending_approvals()] == ["2"]
     assert reg.show("1").approval == "superseded" and reg.show("1").status == "registered"
-    reg.approve(v, "alice", "broker is down, approve the older one anyway")
+    with pytest.raises(RegistryError, match="superseded"):  # no longer the pending challenger
+        reg.approve(v, "alice", "approve the older one anyway")
+    reg.approve("2", "alice", "broker is down, approve anyway")
     assert time.monotonic() - t0 < 60
-    assert reg.champion() == "1" and reg.show("challenger").version == "2"
+    assert reg.champion() == "2" and reg.show("1").approval == "superseded"
     assert [a.event_published for a in reg.history()] == [False] * 4
     assert "unreachable" in caplog.text and "not published" in caplog.text
 

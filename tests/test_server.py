@@ -62,7 +62,12 @@ async def _ask(client: openai.AsyncOpenAI, i: int, method: str, max_tokens: int)
     stream = i % 4 in (1, 2)
     if i % 2 == 0:
         r = await client.completions.create(
-            model="m", prompt=TEXTS[i], max_tokens=max_tokens, temperature=0, stream=stream, extra_body=extra
+            model="adaflash",
+            prompt=TEXTS[i],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=stream,
+            extra_body=extra,
         )
         if not stream:
             return r.choices[0].model_extra["token_ids"], r.choices[0].text
@@ -73,7 +78,7 @@ async def _ask(client: openai.AsyncOpenAI, i: int, method: str, max_tokens: int)
         return ids, text
     msgs = [{"role": "user", "content": TEXTS[i]}]
     r = await client.chat.completions.create(
-        model="m", messages=msgs, max_tokens=max_tokens, temperature=0, stream=stream, extra_body=extra
+        model="adaflash", messages=msgs, max_tokens=max_tokens, temperature=0, stream=stream, extra_body=extra
     )
     if not stream:
         return r.choices[0].model_extra["token_ids"], r.choices[0].message.content
@@ -224,7 +229,7 @@ def test_smollm2_server_greedy_is_token_identical_to_ar():
     from tests.conftest import REPO
 
     target = load_target("smollm2", torch.float64)
-    d = REPO / "drafters" / "smollm2-bootstrap"
+    d = REPO / "drafters" / "smollm2"
     if not (d / "config.json").exists():
         pytest.skip(f"needs a bootstrapped drafter at {Path(d)} (make bootstrap)")
     bundle = load_drafter_for(d, target)

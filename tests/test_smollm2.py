@@ -24,7 +24,7 @@ def smollm2_64():
 @pytest.fixture(scope="module")
 def bootstrap_drafter(tmp_path_factory) -> Path:
     """The measured bootstrap drafter when present (make bootstrap), else a quick one."""
-    d = REPO / "drafters" / "smollm2-bootstrap"
+    d = REPO / "drafters" / "smollm2"
     if (d / "config.json").exists():
         return d
     from adaflash.training.bootstrap import BootstrapConfig, BootstrapTrainer
@@ -32,7 +32,7 @@ def bootstrap_drafter(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "drafter"
     target = load_target("smollm2")
     cfg = BootstrapConfig(
-        budget_minutes=4, eval_per_domain=2, curve_per_domain=1, max_new_tokens=96, max_train_prompts=96
+        steps=100, eval_per_domain=2, curve_per_domain=1, max_new_tokens=96, max_train_prompts=96
     )
     BootstrapTrainer(target, out, cfg).run()
     return out

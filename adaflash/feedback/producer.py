@@ -7,6 +7,13 @@ at-least-once (a record whose acknowledgement was lost is sent again); consumers
 `record_id`. The spool holds raw (pre-governance) records, so its files are private to the user
 (0600) and deleted as soon as they are replayed; when it is full, new records are refused and
 counted in `stats["spool_dropped"]` rather than growing without bound.
+
+An acknowledgement alone does not count as delivered. A broker shutting down gracefully
+(SIGTERM) keeps serving the connections it has and acknowledges their sends, while it refuses new
+ones — and the embedded broker's memory-only topics die with it. So after each acknowledged batch
+the producer checks that the broker still answers a *new* connection (a Kafka ApiVersions
+handshake); if it does not, the batch is treated as not delivered and spooled, to be replayed
+(consumers dedupe by `record_id`, so a batch the broker did keep is not counted twice).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +54,8 @@ class _Stats:
     replayed: int = 0
     spool_dropped: int = 0
     send_errors: int = 0
+    unconfirmed: int = 0  # acknowledged by a broker that then stopped answering: spooled again
+    spool_records: int = 0
     connected: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -59,6 +69,32 @@ def _reachable(address: str) -> bool:
         return False
 
 
+# ApiVersions v0 (api key 18), correlation id 0x0AF1, client id "adaflash-probe".
+_CLIENT = b"adaflash-probe"
+_API_VERSIONS = struct.pack(">hhih", 18, 0, 0x0AF1, len(_CLIENT)) + _CLIENT
+_API_VERSIONS = struct.pack(">i", len(_API_VERSIONS)) + _API_VERSIONS
+
+
+def broker_answers(address: str, timeout: float = 1.0) -> bool:
+    """True when a broker at `address` answers a Kafka request on a fresh connection — not just
+    accepts TCP: a draining broker accepts and then resets new connections."""
+    host, _, port = address.strip().rpartition(":")
+    try:
+        with socket.create_connection((host or "localhost", int(port)), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(_API_VERSIONS)
+            head = b""
+            while len(head) < 8:
+                chunk = sock.recv(8 - len(head))
+                if not chunk:
+                    return False
+                head += chunk
+            size, correlation = struct.unpack(">ii", head)
+            return size >= 4 and correlation == 0x0AF1
+    except (OSError, ValueError):
+        return False
+
+
 class FeedbackProducer:
     def __init__(self, config: ProducerConfig) -> None:
         self.config = config
@@ -66,6 +102,9 @@ class FeedbackProducer:
         os.chmod(config.spool_dir, 0o700)
         self._queue: queue.Queue = queue.Queue()
         self._stats = _Stats()
+        self._stats.spool_records = sum(  # a spool left by an earlier process counts from the start
+            sum(1 for line in p.read_text().splitlines() if line.strip()) for p in self._segments()
+        )
         self._producer = None
         self._next_connect = 0.0
         self._seq = 0
@@ -90,7 +129,9 @@ class FeedbackProducer:
             "replayed": s.replayed,
             "spool_dropped": s.spool_dropped,
             "send_errors": s.send_errors,
+            "unconfirmed": s.unconfirmed,
             "connected": s.connected,
+            "spool_records": s.spool_records,
             "spool_bytes": self.spool_bytes(),
             "queued": self._queue.qsize(),
         }
@@ -155,8 +196,8 @@ class FeedbackProducer:
         if time.monotonic() < self._next_connect:
             return False
         self._next_connect = time.monotonic() + self.config.retry_seconds
-        # kafka-python spends ~30 s failing to bootstrap from a dead address; a TCP probe is instant.
-        if not any(_reachable(a) for a in self.config.bootstrap_servers.split(",")):
+        # kafka-python spends ~30 s failing to bootstrap from a dead address; a probe is instant.
+        if not self._broker_answers():
             self._stats.connected = False
             return False
         from kafka import KafkaProducer
@@ -198,7 +239,19 @@ class FeedbackProducer:
         if failed:
             self._stats.send_errors += len(failed)
             self._drop_producer()
+        elif items and not self._broker_answers():
+            # Acknowledged by a broker that no longer takes connections (shutting down): what it
+            # acknowledged may die with it. Not delivered: spool and replay.
+            log.warning(
+                "feedback broker stopped answering after acknowledging %d records: spooling them", len(items)
+            )
+            self._stats.unconfirmed += len(items)
+            self._drop_producer()
+            return list(items)
         return failed
+
+    def _broker_answers(self) -> bool:
+        return any(broker_answers(a) for a in self.config.bootstrap_servers.split(","))
 
     def _drop_producer(self) -> None:
         self._stats.connected = False
@@ -245,6 +298,7 @@ class FeedbackProducer:
             os.fsync(f.fileno())
         tmp.rename(path)  # a segment is visible only when complete
         self._stats.spooled += len(keep)
+        self._stats.spool_records += len(keep)
 
     def _replay_spool(self) -> bool:
         """Send spooled segments oldest first; True when the spool is empty afterwards."""
@@ -259,4 +313,5 @@ class FeedbackProducer:
                 return False
             path.unlink()
             self._stats.replayed += len(items)
+            self._stats.spool_records -= len(items)
         return True

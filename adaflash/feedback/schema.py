@@ -22,6 +22,7 @@ while keeping rounds aligned; a record whose texts do not match its ids is quara
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Literal
@@ -44,6 +45,7 @@ class _Model(BaseModel):
 class SamplingParams(_Model):
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
     max_tokens: int = 128
     seed: int | None = None
 
@@ -87,6 +89,18 @@ class FeedbackRecord(_Model):
         return self.model_dump_json().encode()
 
 
+class ReplacedSpan(_Model):
+    """One PII span governance replaced by a surrogate: its kind and character offsets in the
+    original text (`start`, `end`) and in the governed text (`new_start`, `new_end`)."""
+
+    where: Literal["prompt", "output"]
+    entity: str
+    start: int
+    end: int
+    new_start: int
+    new_end: int
+
+
 class Provenance(_Model):
     """Where a governed record came from, and what governance did to it."""
 
@@ -96,6 +110,7 @@ class Provenance(_Model):
     governed_at: datetime
     pii_entities: dict[str, int] = Field(default_factory=dict)  # scrubbed entity type -> count
     scrubbed: bool = False  # True when the text/token ids were rewritten
+    replaced: list[ReplacedSpan] = Field(default_factory=list)  # what was replaced where, never the value
 
 
 class CleanRecord(_Model):
@@ -113,27 +128,62 @@ class QuarantineReason(_Model):
 class QuarantineRecord(_Model):
     """A rejected record with its reasons (`adaflash.feedback.quarantine`).
 
-    `record` is the scrubbed record when it parsed; a payload that did not parse keeps only its
-    PII-scrubbed text in `raw_scrubbed` and the hash of the original bytes, so nothing personal is
-    persisted and the original can still be matched against the producer's logs.
+    Only what an auditor needs is kept: reasons, record id, tenant, hashes of the original bytes
+    and texts, and the PII-scrubbed texts only when both PII layers passed them (a record the
+    second layer was unsure about keeps no text). A payload that did not parse keeps its scrubbed
+    text in `raw_scrubbed` under the same rule, so nothing personal is persisted and the original
+    can still be matched against the producer's logs.
     """
 
     record_id: str | None
     reasons: list[QuarantineReason]
     provenance: Provenance
-    record: FeedbackRecord | None = None
+    record: FeedbackRecord | None = None  # no longer written (issue 13): the fields below suffice
     raw_sha256: str | None = None
     raw_scrubbed: str | None = None
+    # What an auditor needs and nothing more: who, hashes of the original texts (to match a
+    # producer's logs), and the scrubbed texts only when both PII layers passed them.
+    tenant_id: str | None = None
+    prompt_sha256: str | None = None
+    output_sha256: str | None = None
+    prompt_scrubbed: str | None = None
+    output_scrubbed: str | None = None
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_lone_surrogates(data) -> None:
+    """JSON's \\ud800 escape decodes to a lone surrogate (a valid pair becomes one character): not
+    text, and no UTF-8 writer (Kafka, Parquet, this module's own `to_bytes`) can encode it."""
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise SchemaError("invalid text: a lone UTF-16 surrogate")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 def parse_record(payload: bytes | str) -> FeedbackRecord:
     """Parse one wire payload; anything unparseable or of an unknown version is a `SchemaError`."""
     try:
         data = json.loads(payload)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, an int of > 4300 digits
         raise SchemaError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise SchemaError("not JSON this reader accepts: nested too deeply") from None
     if not isinstance(data, dict):
         raise SchemaError("payload is not a JSON object")
+    if _ESCAPED_SURROGATE.search(
+        payload if isinstance(payload, bytes) else payload.encode("utf-8", "replace")
+    ):
+        _reject_lone_surrogates(data)
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SchemaError(f"unknown schema_version {version!r} (this build reads {SCHEMA_VERSION})")

@@ -63,8 +63,12 @@ def save_drafter(
     drafter: Drafter,
     length_head: LengthHead | None,
     meta: DrafterMeta,
+    weights_dtype: torch.dtype = torch.float32,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write atomically: a reader never sees a half-written directory."""
+    """Write atomically: a reader never sees a half-written directory. `weights_dtype` float16
+    halves the size of a shipped drafter (loading casts back to the serving dtype);
+    `extra_files` (model card, metrics) land in the same atomic swap."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -72,14 +76,18 @@ def save_drafter(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    (tmp / CONFIG).write_text(json.dumps(drafter.config.to_hf(), indent=2))
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in drafter.state_dict().items()}
+    hf = drafter.config.to_hf()
+    hf["dtype"] = str(weights_dtype).removeprefix("torch.")
+    (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
+    state = {k: v.detach().to(weights_dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
     if length_head is not None:
         head = {k: v.detach().to(torch.float32).contiguous() for k, v in length_head.state_dict().items()}
         save_file(head, str(tmp / HEAD_WEIGHTS))
         meta.length_head_inner = length_head.inner_size
     (tmp / META).write_text(json.dumps(meta.__dict__, indent=2))
+    for name, data in (extra_files or {}).items():
+        (tmp / name).write_bytes(data)
     if out.exists():
         old = out.parent / f".{out.name}.old"
         if old.exists():

@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -204,7 +204,12 @@ class RegistryClient:
         bootstrap_servers: str | None = None,
         model_name: str | None = None,
         download_dir: Path | None = None,
+        check_drafter: Callable[[Path], None] | None = None,
     ) -> None:
+        """`check_drafter(dir)`: the full checkpoint check the servers run on reload (load every
+        tensor, match the target); `register` runs it before creating a version and refuses a
+        drafter it raises on. The registry stays a client of MLflow: the caller supplies it."""
+        self.check_drafter = check_drafter
         # Process-wide MLflow knobs, set only if the user has not: few HTTP retries (the default
         # backoff retries a dead server for minutes), no progress bars in CLI output.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -522,6 +527,11 @@ class RegistryClient:
                 f"drafter {d} was trained for target fingerprint {meta.get('target_fingerprint')}, "
                 f"not this registry's {self.target_fingerprint}"
             )
+        if self.check_drafter is not None:
+            try:
+                self.check_drafter(d)
+            except Exception as e:  # noqa: BLE001 - CheckpointError and whatever a loader raises
+                raise RegistryError(f"refusing to register {d}: {str(e).splitlines()[0]}") from None
         try:
             lin = lineage if isinstance(lineage, Lineage) else Lineage.model_validate(lineage or {})
         except ValidationError as e:
@@ -610,14 +620,36 @@ class RegistryClient:
         who = who or default_who()
         version = self.resolve(ref)
         with self._mlflow("approve"):
-            if self._aliases().get(CHAMPION) == version:
+            aliases = self._aliases()
+            if aliases.get(CHAMPION) == version:
                 raise RegistryError(f"{self.model_name} v{version} is already the champion")
+            if aliases.get(CHALLENGER) != version:
+                raise RegistryError(
+                    f"{self.model_name} v{version} is not the pending challenger: "
+                    f"{self._why_not_challenger(version, aliases)}; only the current challenger "
+                    "can be approved"
+                )
             self._set_tags(version, {T_APPROVAL: APPROVED})
             alias = next((a for a, v in self._aliases().items() if v == version), None)
             self._record("approved", version, who, reason, alias=alias)
         if promote:
             self.promote(version, who, reason)
         return version
+
+    def _why_not_challenger(self, version: str, aliases: dict) -> str:
+        tags = self._model_version(version).tags
+        now = aliases.get(CHALLENGER)
+        newer = f" (the challenger is v{now})" if now else " (there is no challenger now)"
+        if tags.get(T_APPROVAL, "").lower() == SUPERSEDED:
+            return "it was superseded by a newer candidate before anyone approved it" + newer
+        status = tags.get(T_STATUS, "registered")
+        if status == PREVIOUS_CHAMPION:
+            return "it is the previous champion (use `registry rollback` to restore it)"
+        if status == "rolled_back":
+            return "it was rolled back" + newer
+        if status == CHAMPION:
+            return "it was champion and has been replaced (use `registry promote` to serve it again)" + newer
+        return f"its status is {status}" + newer
 
     def sync_ui_approvals(self) -> list[str]:
         """Approve + promote versions whose `adaflash.approval` was set to approved in the MLflow UI.
@@ -639,7 +671,14 @@ class RegistryClient:
             if info.version == champion:  # nothing to promote; stamp it so it is not rescanned
                 self._record("approved", info.version, who, reason, alias=CHAMPION)
                 continue
-            self.approve(info.version, who, reason)
+            try:
+                self.approve(info.version, who, reason)
+            except RegistryError as e:  # approved in the UI too late: say why, stop rescanning it
+                log.warning("ignoring the MLflow UI approval of v%s: %s", info.version, e)
+                self._set_tags(
+                    info.version, {T_APPROVAL: "refused", "adaflash.approval_refused": _clip(str(e))}
+                )
+                continue
             champion = info.version
             done.append(info.version)
         return done

@@ -20,6 +20,7 @@ must not block: the server hands tokens to asyncio queues, feedback goes to its 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -31,13 +32,35 @@ from enum import Enum
 import torch
 
 from adaflash import kernels
-from adaflash.errors import InputError
+from adaflash.errors import AdaFlashError, InputError
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.length_head import verify_lengths
+from adaflash.models.ngram import propose as ngram_propose
 from adaflash.models.targets import Target
 from adaflash.serving.runner import DrafterSlots, PackedBatch, PackedRunner, Segment
 from adaflash.serving.scheduler import Scheduler, SchedulerConfig
-from adaflash.serving.speculative import METHODS
+from adaflash.serving.speculative import METHODS as DECODER_METHODS
+
+# `ngram` is prompt lookup (vLLM's `ngram`, SGLang's NGRAM): drafts from the request's own tokens,
+# no drafter, verified like dflash. Methods in DRAFTER_METHODS run the drafter and keep its context.
+METHODS: tuple[str, ...] = (*DECODER_METHODS, "ngram")
+DRAFTER_METHODS = ("dflash", "adaflash")
+NGRAM_BLOCK = 8  # anchor + up to 7 looked-up drafts when no drafter fixes the block size
+
+log = logging.getLogger(__name__)
+
+# Temperatures below this sample as greedy decoding (vLLM's _SAMPLING_EPS): logits / T overflows
+# to inf for T ~ 1e-40, softmax turns into NaN and multinomial raises.
+MIN_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed's range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Consecutive failed steps (not pinned on one request) after which the step loop gives up: the
+# process should then exit so that a supervisor restarts it.
+MAX_STEP_FAILURES = 3
+
+
+class EngineFailed(AdaFlashError):
+    """The step loop has stopped (repeated failures): nothing can be served until a restart."""
 
 
 class Status(Enum):
@@ -52,6 +75,9 @@ class GenParams:
     temperature: float = 0.0
     seed: int | None = None
     method: str | None = None  # None: the engine's default method
+    top_p: float = 1.0  # nucleus filter, applied to target and draft distributions alike
+    top_k: int = 0  # 0: no top-k filter
+    stop: tuple[str, ...] = ()  # stop sequences, matched on the committed (detokenised) text
 
 
 @dataclass
@@ -92,6 +118,9 @@ class Request:
     skip_drafts: int = 0  # rounds left to run without drafting (probe policy)
     cancelled: bool = False
     generator: torch.Generator | None = None
+    error: str | None = None  # why this request failed (finish_reason "error"); others go on
+    error_kind: str = "invalid"  # "invalid": its own inputs/numerics; "server": a failed step
+    stop_index: int | None = None  # a stop sequence starts at this index of the output text
 
     @property
     def finished(self) -> bool:
@@ -143,10 +172,54 @@ class StepStats:
     seconds: float = 0.0
 
 
-def _probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Row-wise softmax(logits / T) in >= fp32 (a bf16 target must not quantise acceptance)."""
+def _probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row-wise softmax(logits / T) in >= fp32 (a bf16 target must not quantise acceptance),
+    then the per-row top-k / top-p filters."""
     prec = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.softmax(logits.to(prec) / temperature.to(prec)[:, None], dim=-1)
+    probs = torch.softmax(logits.to(prec) / temperature.to(prec)[:, None], dim=-1)
+    if top_p is None or top_k is None:
+        return probs
+    return filter_top_k_top_p(probs, top_p, top_k)
+
+
+def filter_top_k_top_p(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k most likely entries (0: all), then the smallest prefix of those whose
+    renormalised mass reaches top_p (vLLM's order); renormalise. The most likely entry always
+    survives. Speculative sampling stays lossless against the filtered target distribution when
+    the target's p and the drafter's q are filtered by this same function (as vLLM and SGLang do):
+    the verifier's guarantee holds for any p and q."""
+    V = probs.shape[-1]
+    active = (top_k > 0) & (top_k < V) | (top_p < 1)
+    if not bool(active.any()):
+        return probs
+    out = probs.clone()
+    rows = active.nonzero().squeeze(1)
+    p = probs[rows]
+    sorted_p, order = p.sort(-1, descending=True)
+    rank = torch.arange(V)[None, :]
+    k = torch.where(top_k[rows] > 0, top_k[rows], V)
+    keep = rank < k[:, None]
+    kept = sorted_p * keep
+    kept = kept / kept.sum(-1, keepdim=True)
+    before = kept.cumsum(-1) - kept  # mass of the more likely entries
+    tp = top_p[rows].to(p.dtype)[:, None]
+    keep &= (before < tp) | (tp >= 1)
+    keep[:, 0] = True
+    mask = torch.zeros_like(keep).scatter(-1, order, keep)
+    f = p * mask
+    out[rows] = f / f.sum(-1, keepdim=True)
+    return out
+
+
+def _bad_rows(probs: torch.Tensor) -> torch.Tensor:
+    """Rows that are not a distribution (NaN/inf, or no mass): multinomial would raise."""
+    s = probs.sum(-1)
+    return ~(torch.isfinite(probs).all(-1) & (s > 0) & torch.isfinite(s))
 
 
 class Engine:
@@ -191,20 +264,38 @@ class Engine:
 
     def validate(self, req: Request) -> None:
         """Raise InputError for a request this engine cannot serve as given."""
+        self.validate_params(req)
+        self._validate_prompt(req)
+
+    def validate_params(self, req: Request) -> None:
+        """The method and sampling parameters alone (the server checks them before encoding)."""
         p = req.params
         method = p.method or self.config.method
         if method not in METHODS:
             raise InputError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
-        if method != "ar" and self.bundle is None:
+        if method in DRAFTER_METHODS and self.bundle is None:
             raise InputError(f"method {method!r} needs a drafter; this server runs without one")
         if method == "adaflash" and self.bundle.length_head is None:
             raise InputError("method 'adaflash' needs a drafter with a length head")
         if not math.isfinite(p.temperature) or p.temperature < 0:
             raise InputError(f"invalid temperature {p.temperature}: must be a finite number >= 0")
-        if p.max_tokens < 1:
+        if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
+            raise InputError(f"invalid top_p {p.top_p}: must be in (0, 1]")
+        if not isinstance(p.top_k, int) or p.top_k < 0:
+            raise InputError(f"invalid top_k {p.top_k}: must be an integer >= 0 (0: no filter)")
+        if p.seed is not None and not (isinstance(p.seed, int) and SEED_MIN <= p.seed <= SEED_MAX):
+            raise InputError(f"invalid seed: must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if any(not isinstance(x, str) or not x for x in p.stop):
+            raise InputError("stop sequences must be non-empty strings")
+        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
             raise InputError("max_tokens must be >= 1")
+
+    def _validate_prompt(self, req: Request) -> None:
+        p = req.params
         if not req.prompt_ids:
             raise InputError("empty prompt")
+        if not all(isinstance(t, int) for t in req.prompt_ids):
+            raise InputError("prompt token ids must be integers")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.target.config.vocab_size:
             raise InputError("prompt contains token ids outside the target vocabulary")
         if not self.scheduler.fits(req):
@@ -214,9 +305,13 @@ class Engine:
             )
 
     def submit(self, req: Request) -> Request:
-        """Queue a request (raises InputError or QueueFull); returns it for chaining."""
+        """Queue a request (raises InputError, QueueFull or EngineFailed); returns it for chaining."""
+        if self.failure is not None:
+            raise EngineFailed(f"the engine's step loop has stopped: {self.failure!r}")
         self.validate(req)
         req.method = req.params.method or self.config.method
+        if req.params.temperature < MIN_TEMPERATURE:
+            req.params.temperature = 0.0  # greedy: see MIN_TEMPERATURE
         if req.params.temperature > 0:
             seed = req.params.seed if req.params.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6])
             req.generator = torch.Generator().manual_seed(seed)
@@ -258,14 +353,46 @@ class Engine:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        failures = 0
         try:
             while not self._stop.is_set():
-                if self.step() is None:
+                try:
+                    stats = self.step()
+                except Exception as exc:  # noqa: BLE001 - not pinned on one request: fail the step's
+                    failures += 1
+                    log.exception("engine step failed (%d in a row)", failures)
+                    self.abort_running(exc)
+                    if failures >= MAX_STEP_FAILURES:
+                        raise
+                    continue
+                if stats is None:
                     self._wake.wait(0.05)
                     self._wake.clear()
+                else:
+                    failures = 0  # a step that did work: the trouble was not persistent
         except BaseException as exc:  # a bug: keep it visible on /health instead of a silent hang
             self.failure = exc
+            self.abort_running(exc)
+            for r in list(self.scheduler.pending):  # nobody will ever admit them: fail them now
+                if self.scheduler.remove_pending(r):
+                    self._fail(r, f"the engine stopped: {exc!r}", "server")
+                    r.status, r.finish_time = Status.FINISHED, time.perf_counter()
+                    self._notify(r, [])
             raise
+
+    def abort_running(self, exc: BaseException) -> None:
+        """Fail every running request (a step raised and its state is unknown); free their slots
+        so the loop can go on with the others still waiting."""
+        for r in list(self.scheduler.running.values()):
+            if not r.finished:
+                self._fail(r, f"internal error in the engine step: {exc!r}", "server")
+                r.status = Status.FINISHED
+                r.finish_time = time.perf_counter()
+            try:
+                self.scheduler.finish(r)
+            except Exception:  # noqa: BLE001
+                log.exception("could not free the slot of %s", r.request_id)
+            self._notify(r, [])
 
     def run_until_idle(self) -> None:
         """Drive the loop on the calling thread until nothing waits or runs (tests, benchmark)."""
@@ -286,7 +413,7 @@ class Engine:
         stats = StepStats(admitted=len(admitted), running=len(admitted) + len(decoding))
         for r in admitted:
             r.status = Status.RUNNING
-            if r.method != "ar":
+            if r.method in DRAFTER_METHODS:
                 r.drafter_version, r.block_size = self.drafter_version, self.block_size
 
         plan = self._draft(decoding)
@@ -295,7 +422,7 @@ class Engine:
             Segment(r.slot, r.kv_len, toks) for r, toks in zip(decoding, plan.verify_tokens, strict=True)
         ]
         batch = PackedBatch.build(segments)
-        speculating = any(r.method != "ar" for r in admitted + decoding)
+        speculating = any(r.method in DRAFTER_METHODS for r in admitted + decoding)
         capture = tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
         hidden, features = self.runner.forward(batch, capture)
         stats.target_rows = batch.num_rows
@@ -310,9 +437,12 @@ class Engine:
             last_rows = batch.cu[1 : n_pre + 1] - 1
             first = self._sample_first(admitted, self.model.logits(hidden[last_rows]))
             for j, r in enumerate(admitted):  # every prompt token (ar requests need no context)
-                if r.method != "ar":
+                if r.method in DRAFTER_METHODS and r.error is None:
                     committed_rows.append(torch.arange(int(batch.cu[j]), int(batch.cu[j + 1])))
             for r, tok in zip(admitted, first, strict=True):
+                if r.error is not None:  # this request failed alone; the batch goes on
+                    self._finish_failed(r, now)
+                    continue
                 r.kv_len = len(r.prompt_ids)
                 self._emit(r, [tok], now)
                 stats.emitted += 1
@@ -323,9 +453,12 @@ class Engine:
             stats.accepted = accepted
             doff = kernels.draft_offsets(plan.cu)
             for i, r in enumerate(decoding):
+                if r.error is not None:
+                    self._finish_failed(r, now)
+                    continue
                 acc = accepted[i]
                 seg = n_pre + i
-                if r.method != "ar":
+                if r.method in DRAFTER_METHODS:
                     committed_rows.append(torch.arange(int(batch.cu[seg]), int(batch.cu[seg]) + acc + 1))
                 r.rounds.append(RoundStat(len(r.output_ids) - 1, plan.khat[i], acc, plan.a_hat[i]))
                 r.kv_len += acc + 1
@@ -368,6 +501,9 @@ class Engine:
         for i, r in enumerate(decoding):
             if r.method == "ar":
                 continue
+            if r.method == "ngram":
+                self._ngram_draft(r, i, khat, drafts_per, probs_per)
+                continue
             if r.skip_drafts > 0:
                 r.skip_drafts -= 1  # an AR round: k̂ = 1, no draft
                 continue
@@ -403,7 +539,6 @@ class Engine:
             # Only the kept positions go through the LM head (its cost dominates the drafter).
             d_logits = self.model.logits(hidden[:, 1:][keep])
             owner = keep.nonzero()[:, 0]
-            temps = torch.tensor([reqs[j].params.temperature for j in owner.tolist()], dtype=torch.float64)
             greedy_tok = d_logits.argmax(-1)
             for j, r in enumerate(reqs):
                 rows = (owner == j).nonzero().squeeze(1)
@@ -412,9 +547,13 @@ class Engine:
                 if r.params.temperature == 0:
                     drafts_per[i] = greedy_tok[rows].tolist()
                 elif rows.numel():
-                    p = _probs(d_logits[rows], temps[rows])
-                    probs_per[i] = p
-                    drafts_per[i] = torch.multinomial(p, 1, generator=r.generator).squeeze(1).tolist()
+                    try:  # q is filtered exactly like p will be (lossless top-k / top-p)
+                        p = self._dist(d_logits[rows], [r] * rows.numel())
+                        drafts_per[i] = torch.multinomial(p, 1, generator=r.generator).squeeze(1).tolist()
+                        probs_per[i] = p
+                    except (RuntimeError, ValueError, FloatingPointError) as exc:
+                        self._fail(r, f"drafting failed: {exc}")
+                        khat[i], drafts_per[i] = 1, []
         verify_tokens = [[r.output_ids[-1], *drafts_per[i]] for i, r in enumerate(decoding)]
         drafts = torch.tensor([t for ds in drafts_per for t in ds], dtype=torch.long)
         d_probs = None
@@ -430,6 +569,18 @@ class Engine:
         cu = torch.zeros(n + 1, dtype=torch.long)
         cu[1:] = torch.tensor(khat).cumsum(0)
         return self._Plan(verify_tokens, khat, a_hat, drafts, d_probs, cu)
+
+    def _ngram_draft(self, r: Request, i: int, khat: list[int], drafts_per: list, probs_per: list) -> None:
+        """Prompt-lookup drafts; when sampling, q is the point mass on each draft, so speculative
+        sampling accepts x with prob p(x) and resamples the residual — still lossless."""
+        k = self.block_size if self.bundle is not None else NGRAM_BLOCK
+        room = min(k - 1, r.params.max_tokens - len(r.output_ids) - 1)
+        draft = ngram_propose(r.prompt_ids + r.output_ids, room) if room > 0 else []
+        khat[i], drafts_per[i] = len(draft) + 1, draft
+        if draft and r.params.temperature > 0:
+            q = torch.zeros(len(draft), self.target.config.vocab_size, dtype=self.model.dtype)
+            q[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+            probs_per[i] = q
 
     def _verify(
         self, decoding: list[Request], plan: _Plan, t_logits: torch.Tensor
@@ -453,11 +604,13 @@ class Engine:
             if group is greedy:
                 acc, nx = kernels.greedy_verify(drafts, t_logits[t_rows], cu)
             else:
-                temps = torch.tensor(
-                    [decoding[i].params.temperature for i in group for _ in range(plan.khat[i])],
-                    dtype=torch.float64,
-                )
-                p = _probs(t_logits[t_rows], temps)
+                p = self._dist(t_logits[t_rows], [decoding[i] for i in group for _ in range(plan.khat[i])])
+                bad = _bad_rows(p)
+                if bool(bad.any()):  # fail those requests alone; give the kernel a valid row
+                    for j, i in enumerate(group):
+                        if bool(bad[int(cu[j]) : int(cu[j + 1])].any()):
+                            self._fail(decoding[i], "the sampling distribution is not finite")
+                    p[bad] = 1.0 / p.shape[-1]
                 q = (
                     plan.d_probs[d_rows].to(p.dtype)
                     if plan.d_probs is not None
@@ -479,36 +632,95 @@ class Engine:
                 accepted[i], nxt[i] = int(acc[j]), int(nx[j])
         return accepted, nxt
 
+    @staticmethod
+    def _dist(logits: torch.Tensor, owners: list[Request]) -> torch.Tensor:
+        """Sampling distributions of rows owned by `owners` (one request per row): temperature,
+        then that request's top-k / top-p."""
+        temps = torch.tensor([r.params.temperature for r in owners], dtype=torch.float64)
+        top_p = torch.tensor([r.params.top_p for r in owners], dtype=torch.float64)
+        top_k = torch.tensor([r.params.top_k for r in owners], dtype=torch.long)
+        return _probs(logits, temps, top_p, top_k)
+
     def _sample_first(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         out = logits.argmax(-1).tolist()
         for j, r in enumerate(reqs):
             if r.params.temperature > 0:
-                p = _probs(logits[j : j + 1], torch.tensor([r.params.temperature]))
-                out[j] = int(torch.multinomial(p, 1, generator=r.generator))
+                try:
+                    p = self._dist(logits[j : j + 1], [r])
+                    if bool(_bad_rows(p).any()):
+                        raise FloatingPointError("the sampling distribution is not finite")
+                    out[j] = int(torch.multinomial(p, 1, generator=r.generator))
+                except (RuntimeError, ValueError, FloatingPointError) as exc:
+                    self._fail(r, f"sampling failed: {exc}")
         return out
 
+    def _fail(self, r: Request, message: str, kind: str = "invalid") -> None:
+        """Mark one request as failed; the step finishes it without touching the others."""
+        if r.error is None:
+            log.warning("request %s failed: %s", r.request_id, message)
+            r.error, r.error_kind = message, kind
+        r.finish_reason = "error"
+
+    def _finish_failed(self, r: Request, now: float) -> None:
+        r.status = Status.FINISHED
+        r.finish_reason = "error"
+        r.finish_time = now
+        self._notify(r, [])
+
+    def _notify(self, r: Request, new: list[int]) -> None:
+        if r.sink is None:
+            return
+        try:
+            r.sink(r, new, r.finished)
+        except Exception:  # noqa: BLE001 - a broken client bridge must not stop the step loop
+            log.exception("sink of request %s failed: cancelling it", r.request_id)
+            if not r.finished:
+                self.cancel(r.request_id)
+
     def _emit(self, r: Request, new: list[int], now: float) -> None:
-        """Append new tokens, cut at the first eos / max_tokens, stream them."""
+        """Append new tokens, cut at the first eos / stop sequence / max_tokens, stream them."""
         for j, t in enumerate(new):
             if t in self.eos:
                 new = new[: j + 1]
                 r.finish_reason = "stop"
                 break
         new = new[: r.params.max_tokens - len(r.output_ids)]
+        before = len(r.output_ids)
         r.output_ids.extend(new)
+        if r.params.stop:
+            cut = self._stop_cut(r, before)
+            if cut is not None:
+                del r.output_ids[cut:]
+                new = new[: cut - before]
+                r.finish_reason = "stop"
         r.token_times.extend([now] * len(new))
         if r.finish_reason is None and len(r.output_ids) >= r.params.max_tokens:
             r.finish_reason = "length"
         if r.finish_reason is not None:
             r.status = Status.FINISHED
             r.finish_time = now
-        if r.sink is not None:
-            r.sink(r, new, r.finished)
+        self._notify(r, new)
+
+    def _stop_cut(self, r: Request, before: int) -> int | None:
+        """Number of output tokens to keep when a stop sequence completes in the tokens after
+        `before`: the shortest prefix whose text contains one (earlier checks found none). Sets
+        `r.stop_index`, where the returned text ends (the stop sequence itself is not returned)."""
+        tok = self.target.tokenizer
+        for n in range(before + 1, len(r.output_ids) + 1):
+            text = tok.decode([t for t in r.output_ids[:n] if t not in self.eos])
+            hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
+            if hits:
+                r.stop_index = min(hits)
+                return n
+        return None
 
     def _release(self, r: Request) -> None:
         self.scheduler.finish(r, r.e2e)
         for obs in self.observers:
-            obs(r)
+            try:
+                obs(r)
+            except Exception:  # noqa: BLE001 - metrics/feedback trouble must not stop serving
+                log.exception("finish observer failed on request %s", r.request_id)
 
     def _reap_cancelled(self) -> None:
         with self._cancel_lock:
@@ -524,8 +736,7 @@ class Engine:
             r.status = Status.FINISHED
             r.finish_time = time.perf_counter()
             self.scheduler.finish(r)  # frees the slot and its KV reservation now
-            if r.sink is not None:
-                r.sink(r, [], True)
+            self._notify(r, [])
 
     # --- drafter (hot reload) ---------------------------------------------------------------------
 
@@ -551,7 +762,7 @@ class Engine:
         live = [
             r
             for r in self.scheduler.running.values()
-            if r.status is Status.RUNNING and r.kv_len > 0 and r.method != "ar"
+            if r.status is Status.RUNNING and r.kv_len > 0 and r.method in DRAFTER_METHODS
         ]
         if not live:
             return
@@ -560,5 +771,5 @@ class Engine:
         _, features = self.runner.forward(batch, tuple(self.bundle.config.target_layer_ids))
         self.dslots.extend(features, batch.slot_rows, batch.positions)
         for r in live:
-            if r.method != "ar":
+            if r.method in DRAFTER_METHODS:
                 r.drafter_version, r.block_size = self.drafter_version, self.block_size

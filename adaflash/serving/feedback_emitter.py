@@ -38,7 +38,11 @@ def build_record(engine: Engine, req: Request) -> FeedbackRecord:
         block_size=req.block_size,
         gamma=engine.config.gamma,
         sampling=SamplingParams(
-            temperature=req.params.temperature, max_tokens=req.params.max_tokens, seed=req.params.seed
+            temperature=req.params.temperature,
+            top_p=req.params.top_p,
+            top_k=req.params.top_k,
+            max_tokens=req.params.max_tokens,
+            seed=req.params.seed,
         ),
         prompt_text=req.prompt_text,
         output_text=tok.decode(req.output_ids),
@@ -64,7 +68,8 @@ class FeedbackEmitter:
         engine.observers.append(self.on_finish)
 
     def on_finish(self, req: Request) -> None:
-        if not req.cancelled:
+        # A failed request's output is not the policy's (it stopped on an error): no record.
+        if not req.cancelled and req.error is None:
             self._queue.put(req)
 
     def _run(self) -> None:

@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adaflash.serving.engine import Engine, Request, StepStats
 
@@ -136,6 +137,10 @@ class ServingMetrics:
         for pos, (ver, acc) in self._pos.items():
             self.acceptance.labels(str(pos)).set(acc / ver)
 
+    def attach_feedback(self, producer) -> None:
+        """Export a `FeedbackProducer`'s delivery counts and spool depth."""
+        self.registry.register(_FeedbackCollector(producer))
+
     def refresh(self) -> None:
         s = self.engine.scheduler
         self.queue_depth.set(s.queue_depth)
@@ -145,3 +150,34 @@ class ServingMetrics:
     def exposition(self) -> bytes:
         self.refresh()
         return generate_latest(self.registry)
+
+
+class _FeedbackCollector:
+    """Reads the producer's counters at scrape time (they live on its own thread)."""
+
+    OUTCOMES = {"sent": "sent", "spooled": "spooled", "replayed": "replayed", "dropped": "spool_dropped"}
+
+    def __init__(self, producer) -> None:
+        self.producer = producer
+
+    def collect(self):
+        st = self.producer.stats
+        records = CounterMetricFamily(
+            "adaflash_feedback_records",
+            "Feedback records by outcome: sent (acknowledged and confirmed), spooled (not delivered: "
+            "kept on disk), replayed (from the spool), dropped (spool full)",
+            labels=["outcome"],
+        )
+        for outcome, key in self.OUTCOMES.items():
+            records.add_metric([outcome], st[key])
+        yield records
+        yield GaugeMetricFamily(
+            "adaflash_feedback_spool_records", "Records waiting in the spool", st["spool_records"]
+        )
+        yield GaugeMetricFamily(
+            "adaflash_feedback_spool_bytes", "Bytes of spool segments on disk", st["spool_bytes"]
+        )
+        yield GaugeMetricFamily("adaflash_feedback_queued", "Records not yet handed to Kafka", st["queued"])
+        yield GaugeMetricFamily(
+            "adaflash_feedback_connected", "1 while the producer has a broker", st["connected"]
+        )

@@ -16,8 +16,11 @@ so governance can count and drop it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import logging
+import re
 import threading
 import time
 import uuid
@@ -27,11 +30,13 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaflash.errors import CheckpointError, InputError
-from adaflash.serving.engine import Engine, GenParams, Request
+from adaflash.serving.engine import SEED_MAX, SEED_MIN, Engine, EngineFailed, GenParams, Request
 from adaflash.serving.metrics import ServingMetrics
 from adaflash.serving.reload import DrafterReloader
 from adaflash.serving.scheduler import QueueFull
@@ -45,6 +50,7 @@ class _Body(BaseModel):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # vLLM/SGLang extension; 0 or -1: no filter
     n: int | None = None
     stream: bool = False
     seed: int | None = None
@@ -78,23 +84,90 @@ class ServerSettings:
     model_name: str = "adaflash"
     admin_token: str | None = None  # None: the admin API answers 403
     default_max_tokens: int = 128
+    max_n: int = 8  # choices per request (each takes a KV slot)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Fields the engine cannot honour: refused with a 400 rather than silently ignored. Each maps to
+# the values that mean "off" (those are accepted).
+_UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class ModelNotFound(InputError):
+    """The request names a model this server does not serve (OpenAI answers 404)."""
+
+
+def _error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    headers: dict | None = None,
+    code: str | None = None,
+):
+    """The OpenAI error object; the message is made encodable whatever the client sent."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    err = {"message": message, "type": kind, "param": None, "code": code}
+    return JSONResponse({"error": err}, status_code=status, headers=headers)
+
+
+def check_text(value: Any, where: str = "request") -> None:
+    """Every string in a parsed JSON value must be valid Unicode text (JSON lets a client send a
+    lone surrogate such as "\\ud800", which no tokenizer can encode). Iterative: any depth."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise InputError(f"{where} contains a lone UTF-16 surrogate: not valid Unicode text")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    if m.role not in ROLES:
+        raise InputError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+    content = m.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):  # OpenAI content parts: text only
+        if part.get("type") != "text":
+            raise InputError(f"messages[{i}].content[{j}]: only text content parts are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InputError(f"messages[{i}].content[{j}].text must be a string")
+        parts.append(text)
+    return "".join(parts)
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     """Token ids of a conversation through the target's chat template (ours for `tiny`)."""
-    msgs = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        msgs.append({"role": m.role, "content": content or ""})
+    msgs = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
     hf = getattr(tokenizer, "tok", None)
     if hf is not None and getattr(hf, "chat_template", None):
-        text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        try:
+            text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja's raise_exception(): the client's conversation
+            raise InputError(f"the chat template rejected the conversation: {exc}") from None
         return tokenizer.encode(text)
     if len(msgs) == 1 and msgs[0]["role"] == "user":
         return tokenizer.chat_prompt(msgs[0]["content"])
@@ -104,61 +177,125 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
 
 
 class _Stream:
-    """Per-request bridge from the step-loop thread to the handler's event loop."""
+    """Bridge from the step-loop thread to the handler's event loop, for the n choices of one
+    HTTP request: items are (choice index, new tokens, finished)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def sink(self, req: Request, new: list[int], finished: bool) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (new, finished))
+    def sink_for(self, index: int):
+        def sink(req: Request, new: list[int], finished: bool) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, list(new), finished))
+
+        return sink
+
+
+def output_text(tokenizer, eos: set[int], req: Request) -> str:
+    """The completion's text: eos tokens dropped, cut where a stop sequence begins."""
+    text = tokenizer.decode([t for t in req.output_ids if t not in eos])
+    return text[: req.stop_index] if req.stop_index is not None else text
 
 
 class TextDelta:
     """Incremental detokenisation: decode everything, emit the new suffix, hold back a trailing
-    replacement char (a multi-byte character split across tokens)."""
+    replacement char (a multi-byte character split across tokens) and any tail that could be the
+    start of a stop sequence (the engine may still match it: stop text is never streamed)."""
 
-    def __init__(self, tokenizer, eos: set[int]) -> None:
-        self.tok, self.eos = tokenizer, eos
+    def __init__(self, tokenizer, eos: set[int], stop: tuple[str, ...] = ()) -> None:
+        self.tok, self.eos, self.stop = tokenizer, eos, stop
         self.ids: list[int] = []
         self.sent = ""
 
-    def push(self, new: list[int], final: bool) -> str:
+    def _held(self, text: str) -> int:
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def push(self, new: list[int], final: bool, stop_index: int | None = None) -> str:
         self.ids.extend(t for t in new if t not in self.eos)
         text = self.tok.decode(self.ids)
-        if not final and text.endswith("\ufffd"):
-            text = text[:-1]
+        if final:
+            if stop_index is not None:
+                text = text[:stop_index]
+        else:
+            if text.endswith("\ufffd"):
+                text = text[:-1]
+            text = text[: len(text) - self._held(text)]
+        if len(text) <= len(self.sent):
+            return ""
         delta, self.sent = text[len(self.sent) :], text
         return delta
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=None) -> FastAPI:
+    """`feedback`: the `FeedbackProducer` whose delivery counts /metrics exports, if any."""
     settings = settings or ServerSettings()
     metrics = ServingMetrics(engine)
+    if feedback is not None:
+        metrics.attach_feedback(feedback)
     reloader = DrafterReloader(engine, metrics)
     app = FastAPI(title="AdaFlash serving", version="1")
     app.state.engine, app.state.metrics, app.state.reloader = engine, metrics, reloader
     tok = engine.target.tokenizer
 
-    def make_request(body: _Body, prompt_ids: list[int], prompt_text: str, http: HttpRequest) -> Request:
-        if body.n not in (None, 1):
-            raise InputError("only n=1 is supported")
-        if body.top_p not in (None, 1.0):
-            raise InputError(
-                "only top_p=1 is supported (speculative sampling verifies the full distribution)"
+    def gen_params(body: _Body) -> tuple[GenParams, int]:
+        """Validate the request's fields and build its sampling parameters — before anything is
+        encoded, decoded or seeded."""
+        if body.model is not None and body.model != settings.model_name:
+            raise ModelNotFound(
+                f"The model {body.model!r} does not exist (this server serves {settings.model_name!r})"
             )
-        if body.stop:
-            raise InputError(
-                "stop sequences are not supported; the model's end-of-turn token ends a completion"
-            )
-        tenant = http.headers.get("x-tenant-id") or body.user or "anonymous"
-        consent = http.headers.get("x-feedback-consent", "true").strip().lower() not in ("0", "false", "no")
+        check_text(body.model_dump(), "the request")
+        extra = body.model_extra or {}
+        for name, off in _UNSUPPORTED.items():
+            if name in extra and extra[name] not in off:
+                raise InputError(f"{name} is not supported by this server")
+        fmt = extra.get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise InputError("response_format is not supported: only plain text")
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= settings.max_n:
+            raise InputError(f"n must be between 1 and {settings.max_n}")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = settings.default_max_tokens
+        if max_tokens < 1:
+            raise InputError("max_tokens must be at least 1")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > MAX_STOP or any(not s for s in stop):
+            raise InputError(f"stop must be at most {MAX_STOP} non-empty strings")
+        if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
+            raise InputError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        top_k = 0 if body.top_k in (None, -1) else body.top_k
         params = GenParams(
-            max_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
+            max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             seed=body.seed,
             method=body.method,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            stop=stop,
         )
+        probe = Request([0], dataclasses.replace(params, max_tokens=1))
+        engine.validate_params(probe)
+        return params, n
+
+    def choice_seed(seed: int | None, i: int) -> int | None:
+        if seed is None:
+            return None  # each choice draws its own random seed
+        span = SEED_MAX - SEED_MIN + 1
+        return (seed + i - SEED_MIN) % span + SEED_MIN
+
+    def make_request(
+        params: GenParams, body: _Body, prompt_ids, prompt_text: str, http: HttpRequest
+    ) -> Request:
+        tenant = http.headers.get("x-tenant-id") or body.user or "anonymous"
+        consent = http.headers.get("x-feedback-consent", "true").strip().lower() not in ("0", "false", "no")
         return Request(
             prompt_ids,
             params,
@@ -169,13 +306,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             domain=body.domain or http.headers.get("x-domain"),
         )
 
-    def usage(req: Request) -> dict:
-        n = len(req.output_ids)
-        return {
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": n,
-            "total_tokens": len(req.prompt_ids) + n,
-        }
+    def usage(reqs: list[Request]) -> dict:
+        n = sum(len(r.output_ids) for r in reqs)
+        p = len(reqs[0].prompt_ids)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     def extras(req: Request) -> dict:
         rounds = req.rounds
@@ -187,128 +321,218 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "mean_verify_len": sum(r.verify_len for r in rounds) / len(rounds) if rounds else None,
         }
 
-    async def serve(body: _Body, http: HttpRequest, prompt_ids: list[int], prompt_text: str, chat: bool):
+    def finish(req: Request) -> str:
+        return req.finish_reason if req.finish_reason in ("stop", "error") else "length"
+
+    def failed(reqs: list[Request]) -> JSONResponse | None:
+        bad = [r for r in reqs if r.error is not None]
+        if not bad:
+            return None
+        if all(r.error_kind == "invalid" for r in bad):
+            metrics.rejected.labels("invalid").inc()
+            return _error(400, bad[0].error)
+        return _error(500, bad[0].error, "server_error")
+
+    async def serve(body: _Body, params: GenParams, n: int, http: HttpRequest, prompt_ids, prompt_text, chat):
+        stream = _Stream(asyncio.get_running_loop())
+        reqs: list[Request] = []
         try:
-            req = make_request(body, prompt_ids, prompt_text, http)
-            stream = _Stream(asyncio.get_running_loop())
-            req.sink = stream.sink
-            engine.submit(req)
+            for i in range(n):
+                p = dataclasses.replace(params, seed=choice_seed(params.seed, i))
+                req = make_request(p, body, prompt_ids, prompt_text, http)
+                req.sink = stream.sink_for(i)
+                engine.submit(req)
+                reqs.append(req)
+        except EngineFailed as e:
+            return _error(503, str(e), "server_error")
         except QueueFull as e:
+            for r in reqs:
+                engine.cancel(r.request_id)
             metrics.rejected.labels("queue_full").inc()
             return _error(429, str(e), "rate_limit_error", {"Retry-After": str(e.retry_after)})
         except InputError as e:
+            for r in reqs:
+                engine.cancel(r.request_id)
             metrics.rejected.labels("invalid").inc()
             return _error(400, str(e))
-        rid = ("chatcmpl-" if chat else "cmpl-") + req.request_id
+        rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].request_id
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        finish = lambda: "stop" if req.finish_reason == "stop" else "length"  # noqa: E731
+
+        def chunk_of(i: int, text: str, new: list[int], first: bool, done: bool) -> dict:
+            r = reqs[i]
+            if chat:
+                d: dict = {"content": text}
+                if first:
+                    d["role"] = "assistant"
+                choice = {"index": i, "delta": d, "finish_reason": finish(r) if done else None}
+            else:
+                choice = {
+                    "index": i,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish(r) if done else None,
+                }
+            choice["token_ids"] = new
+            chunk = {
+                "id": rid,
+                "object": obj + (".chunk" if chat else ""),
+                "created": created,
+                "model": settings.model_name,
+                "choices": [choice],
+            }
+            if done and r.error is not None:  # already streaming: the error rides on the chunk
+                chunk["error"] = {
+                    "message": r.error,
+                    "type": "invalid_request_error" if r.error_kind == "invalid" else "server_error",
+                }
+            return chunk
 
         if body.stream:
 
             async def events() -> AsyncIterator[str]:
-                delta = TextDelta(tok, engine.eos)
-                done = False
-                first = True
+                deltas = [TextDelta(tok, engine.eos, params.stop) for _ in reqs]
+                done = [False] * n
+                first = [True] * n
                 try:
-                    while not done:
-                        new, done = await stream.queue.get()
-                        if req.cancelled:
+                    while not all(done):
+                        i, new, fin = await stream.queue.get()
+                        if done[i]:
+                            continue
+                        r = reqs[i]
+                        if r.cancelled:
                             return
-                        text = delta.push(new, done)
-                        if chat:
-                            d: dict = {"content": text}
-                            if first:
-                                d["role"] = "assistant"
-                            choice = {"index": 0, "delta": d, "finish_reason": finish() if done else None}
-                        else:
-                            choice = {
-                                "index": 0,
-                                "text": text,
-                                "logprobs": None,
-                                "finish_reason": finish() if done else None,
-                            }
-                        choice["token_ids"] = new
-                        chunk = {
-                            "id": rid,
-                            "object": obj + (".chunk" if chat else ""),
-                            "created": created,
-                            "model": settings.model_name,
-                            "choices": [choice],
-                        }
-                        if done:
-                            chunk["usage"] = usage(req)
-                            chunk["adaflash"] = extras(req)
-                        first = False
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        text = deltas[i].push(new, fin, r.stop_index)
+                        chunk = chunk_of(i, text, new, first[i], fin)
+                        first[i], done[i] = False, fin
+                        if all(done):
+                            chunk["usage"] = usage(reqs)
+                            chunk["adaflash"] = extras(reqs[0])
+                        yield "data: " + json.dumps(chunk) + "\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
-                    if not done:  # the client went away: free the slot now
-                        engine.cancel(req.request_id)
+                    for r, d in zip(reqs, done, strict=True):
+                        if not d:  # the client went away: free the slot now
+                            engine.cancel(r.request_id)
 
             return StreamingResponse(
                 events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        done = False
-        while not done:
+        finished: set[int] = set()
+        while len(finished) < n:
             try:
-                _, done = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
+                i, _, fin = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
             except TimeoutError:
                 if await http.is_disconnected():
-                    engine.cancel(req.request_id)
+                    for r in reqs:
+                        engine.cancel(r.request_id)
                     return Response(status_code=499)
-        if req.cancelled:
+                continue
+            if fin:
+                finished.add(i)
+        if any(r.cancelled for r in reqs):
             return Response(status_code=499)
-        text = tok.decode([t for t in req.output_ids if t not in engine.eos])
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish(),
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish()}
-        choice["token_ids"] = req.output_ids
+        if (err := failed(reqs)) is not None:
+            return err
+        choices = []
+        for i, r in enumerate(reqs):
+            text = output_text(tok, engine.eos, r)
+            if chat:
+                choice = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish(r),
+                }
+            else:
+                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish(r)}
+            choice["token_ids"] = r.output_ids
+            choices.append(choice)
         return {
             "id": rid,
             "object": obj,
             "created": created,
             "model": settings.model_name,
-            "choices": [choice],
-            "usage": usage(req),
-            "adaflash": extras(req),
+            "choices": choices,
+            "usage": usage(reqs),
+            "adaflash": extras(reqs[0]),
         }
+
+    def refused(e: InputError) -> JSONResponse:
+        metrics.rejected.labels("invalid").inc()
+        if isinstance(e, ModelNotFound):
+            return _error(404, str(e), code="model_not_found")
+        return _error(400, str(e))
+
+    def completion_prompt(p) -> tuple[list[int], str]:
+        if isinstance(p, list) and not p:
+            raise InputError("empty prompt")
+        if isinstance(p, list) and all(isinstance(x, int) for x in p):
+            vocab = engine.target.config.vocab_size
+            if any(x < 0 or x >= vocab for x in p):  # validated before anything decodes them
+                raise InputError(f"prompt token ids must be in [0, {vocab})")
+            return list(p), tok.decode(list(p))
+        if isinstance(p, list):
+            if len(p) != 1:
+                raise InputError("batched prompts are not supported: send one prompt per request")
+            p = p[0]
+        ids = tok.encode(p)
+        return ids, tok.decode(ids)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HttpRequest):
-        p = body.prompt
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            ids, text = list(p), tok.decode(list(p))
-        elif isinstance(p, list):
-            if len(p) != 1:
-                return _error(400, "batched prompts are not supported: send one prompt per request")
-            ids = tok.encode(p[0])
-            text = tok.decode(ids)
-        else:
-            ids = tok.encode(p)
-            text = tok.decode(ids)
-        return await serve(body, http, ids, text, chat=False)
+        try:
+            params, n = gen_params(body)
+            ids, text = completion_prompt(body.prompt)
+        except InputError as e:
+            return refused(e)
+        return await serve(body, params, n, http, ids, text, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HttpRequest):
-        ids = chat_prompt_ids(tok, body.messages)
+        try:
+            params, n = gen_params(body)
+            ids = chat_prompt_ids(tok, body.messages)
+        except InputError as e:
+            return refused(e)
         # The feedback record's prompt_text must be decode(prompt ids) (schema invariant): the
         # templated conversation as the target saw it, not a re-rendering of the messages.
         text = tok.decode(ids)
-        return await serve(body, http, ids, text, chat=True)
+        return await serve(body, params, n, http, ids, text, chat=True)
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "adaflash"}
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": settings.model_name, "object": "model", "owned_by": "adaflash"}],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != settings.model_name:
+            return _error(404, f"The model {model_id!r} does not exist", code="model_not_found")
+        return model_card()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: HttpRequest, exc: RequestValidationError):
+        metrics.rejected.labels("invalid").inc()
+        msgs = []
+        for e in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            msgs.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
+        return _error(400, "invalid request: " + "; ".join(msgs))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HttpRequest, exc: StarletteHTTPException):
+        kind = _ERROR_TYPES.get(
+            exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        )
+        return _error(exc.status_code, str(exc.detail), kind, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: HttpRequest, exc: Exception):
+        log.exception("unhandled error in a request handler")
+        return _error(500, f"internal server error: {type(exc).__name__}", "server_error")
 
     @app.get("/health")
     async def health():

@@ -1,34 +1,46 @@
 """Offline bootstrap of the "DFlash" baseline drafter from the target's own greedy responses.
 
-Budgeted and resumable: responses are cached per target (training/responses.py); the training
-state (weights, optimiser, position in the data) is saved to `<out>/.bootstrap_state.pt` every
-few minutes and at the end, and a later run with the same --out continues from it. The final
-checkpoint is a DFlash-format drafter directory plus `bootstrap_metrics.json` with τ per domain
-on held-out prompts and τ against the training budget.
+Stages, each resumable and each counted by work, not by wall-clock (a loaded machine gives the
+same drafter, only later):
+  1. responses   the target's greedy responses to the train and held-out prompts; the committed
+                 corpus (`training/corpus.py`) seeds the cache, only missing ones are generated
+                 (continuous batching at many slots);
+  2. features    one target pass per response into the feature store (`feature_store.py`);
+  3. train       `steps` optimiser steps on stored features (`offline.py`): the target never runs;
+  4. head        the length head fitted to the final drafter's uncensored full-block acceptance
+                 (full-vocabulary argmax) — its labels always come from the drafter it serves;
+  5. evaluate    held-out τ per domain by simulated decoding, beside the n-gram baseline.
+State (weights, optimiser, step, curve) is saved to `<out>/.bootstrap_state.pt` every few minutes
+and at the end; a later run with the same --out continues from it. An optional `budget_minutes`
+caps the whole run (generation, features, training and evaluation); it stops training early, it
+never changes what a step does.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from adaflash.errors import AdaFlashError
 from adaflash.models.checkpoint import DrafterMeta, load_drafter, save_drafter
 from adaflash.models.drafter import Drafter
 from adaflash.models.factory import new_drafter
-from adaflash.models.length_head import LengthHead
+from adaflash.models.length_head import LengthHead, acceptance_label
 from adaflash.models.targets import Target
 from adaflash.reporting import plot_tau_vs_budget
-from adaflash.training.blocks import SequencePass, sequence_pass
+from adaflash.training import model_card
+from adaflash.training.blocks import SequencePass
+from adaflash.training.corpus import corpus_path, seed_cache
 from adaflash.training.evaluate import evaluate_acceptance
-from adaflash.training.losses import LossName, position_weights
-from adaflash.training.objective import Objective, block_objective
+from adaflash.training.feature_store import FeatureStore, StoredSequence, build_store
+from adaflash.training.losses import position_weights
+from adaflash.training.offline import VocabCut, lr_at, stored_block_hidden, stored_block_loss
 from adaflash.training.responses import Response, ensure_responses, responses_path
 from adaflash.workloads import interleave, load_prompts
 
@@ -38,30 +50,39 @@ METRICS = "bootstrap_metrics.json"
 
 @dataclass
 class BootstrapConfig:
-    budget_minutes: float = 10.0
-    data_fraction: float = 0.5  # at most this share of the budget generates new responses
+    steps: int = 3000
+    budget_minutes: float | None = None  # optional cap on the whole run
     num_layers: int = 3
     block_size: int = 16
     num_feature_layers: int = 5
-    init_from_target: bool = True
+    init_from_target: bool = False
     # Fold a per-dimension standardisation of the target features into `fc`'s initial weights:
     # SmolLM2's features have "massive activation" dims (one dim holds >50% of the norm for most
     # tokens, up to 2.5e4), which otherwise dominate the projected context of every position.
     standardize_fc: bool = True
-    loss: LossName = "fkl"
-    alpha: float = 0.5
-    delta: float = 0.01
+    kl_weight: float = 0.0  # > 0: CE + top-k forward KL from the store's teacher log-probs
+    teacher_topk: int = 0
     position_decay: float | None = 7.0
-    lr: float = 3e-4
-    head_lr: float = 2e-4
-    anchors_per_seq: int = 48
-    seqs_per_step: int = 2
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    lr_floor: float = 0.1
+    head_lr: float = 2e-3
+    head_steps: int = 150
+    anchors_per_seq: int = 64
+    seqs_per_step: int = 4
+    vocab_cut: bool = True
+    vocab_negatives: int = 4096  # random out-of-cut ids added to each step's softmax
+    bf16: bool = False
     max_new_tokens: int = 256
     eval_per_domain: int = 40
-    curve_per_domain: int = 8
-    curve_every_minutes: float = 10.0
+    curve_per_domain: int = 12
+    curve_every_steps: int = 250
     checkpoint_every_minutes: float = 5.0
     max_train_prompts: int | None = None
+    generate_missing: bool = True
+    # > 0: every N steps, add the responses that appeared in the cache meanwhile (a generator
+    # running beside the trainer); the run then depends on timing, so the model card says so.
+    refresh_every_steps: int = 0
     seed: int = 0
 
 
@@ -71,15 +92,32 @@ Progress = Callable[[str, dict], None]
 @dataclass
 class TrainState:
     step: int = 0
-    seen_sequences: int = 0
-    cursor: int = 0  # position in the shuffled order of the current epoch
-    epoch: int = 0
+    head_step: int = 0
+    seen_blocks: int = 0
     train_seconds: float = 0.0
     curve: list[dict] = field(default_factory=list)
 
 
 def _silent(kind: str, info: dict) -> None:
     pass
+
+
+def release(src: Path, dst: Path, target: Target) -> Path:
+    """Copy a bootstrapped drafter to a shippable directory: fp16 weights, length head, metadata,
+    model card, metrics and plot; no training state (the repo's `drafters/<target>/`)."""
+    from adaflash.models.checkpoint import load_drafter_for
+
+    bundle = load_drafter_for(src, target, dtype=torch.float32)
+    extra = {
+        name: (src / name).read_bytes()
+        for name in ("README.md", METRICS, "tau_vs_budget.png")
+        if (src / name).exists()
+    }
+    return save_drafter(dst, bundle.drafter, bundle.length_head, bundle.meta, torch.float16, extra)
+
+
+def _as_pass(seq: StoredSequence) -> SequencePass:
+    return SequencePass(seq.tokens, seq.features, None)
 
 
 class BootstrapTrainer:
@@ -95,16 +133,10 @@ class BootstrapTrainer:
         self.progress = progress
         torch.manual_seed(cfg.seed)
         self.drafter, self.head = self._init_models()
-        self.opt = torch.optim.AdamW(
-            [
-                {"params": list(self.drafter.parameters()), "lr": cfg.lr},
-                {"params": list(self.head.parameters()), "lr": cfg.head_lr},
-            ],
-            weight_decay=0.0,
-        )
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.head_lr, weight_decay=0.0)
         self.state = TrainState()
         self.weights = position_weights(cfg.block_size, cfg.position_decay)
-        self.objective = Objective(cfg.loss, cfg.alpha, cfg.delta)
         self._resume()
 
     # --- setup --------------------------------------------------------------------------
@@ -135,13 +167,15 @@ class BootstrapTrainer:
         if not path.exists():
             return
         saved = torch.load(path, weights_only=False)
-        if saved["config"]["block_size"] != self.cfg.block_size:
-            raise AdaFlashError(f"{path} was trained with a different block size; use a new --out")
+        for name in ("block_size", "num_layers", "num_feature_layers"):
+            if saved["config"].get(name) != getattr(self.cfg, name):
+                raise AdaFlashError(f"{path} was trained with a different {name}; use a new --out")
         self.drafter.load_state_dict(saved["drafter"])
         self.head.load_state_dict(saved["head"])
         self.opt.load_state_dict(saved["optimizer"])
+        self.head_opt.load_state_dict(saved["head_optimizer"])
         self.state = TrainState(**saved["state"])
-        self.progress("resume", {"step": self.state.step, "seen": self.state.seen_sequences})
+        self.progress("resume", {"step": self.state.step, "head_step": self.state.head_step})
 
     def _checkpoint(self, lineage: dict) -> None:
         meta = DrafterMeta(
@@ -158,6 +192,7 @@ class BootstrapTrainer:
                 "drafter": self.drafter.state_dict(),
                 "head": self.head.state_dict(),
                 "optimizer": self.opt.state_dict(),
+                "head_optimizer": self.head_opt.state_dict(),
                 "state": asdict(self.state),
                 "config": asdict(self.cfg),
             },
@@ -169,6 +204,13 @@ class BootstrapTrainer:
 
     def _responses(self, split: str, prompts, deadline: float | None) -> list[Response]:
         path = responses_path(self.target, split, self.cfg.max_new_tokens)
+        seeded = seed_cache(
+            self.target, prompts, corpus_path(self.target, split, self.cfg.max_new_tokens), path
+        )
+        if seeded:
+            self.progress("corpus", {"split": split, "responses": seeded})
+        if not self.cfg.generate_missing:
+            deadline = 0.0  # only what the corpus and cache hold
         return ensure_responses(
             self.target,
             prompts,
@@ -180,146 +222,229 @@ class BootstrapTrainer:
             ),
         )
 
-    def _heldout_passes(self, responses: list[Response]) -> tuple[list[SequencePass], list[int]]:
-        ids = self.drafter.config.target_layer_ids
-        passes: list[SequencePass] = []
-        for i in range(0, len(responses), 8):
-            chunk = responses[i : i + 8]
-            passes += sequence_pass(self.target.model, [r.tokens for r in chunk], ids)
-        return passes, [len(r.prompt_ids) for r in responses]
+    def _store(self, split: str, responses: list[Response], compute_missing: bool = True) -> FeatureStore:
+        topk = self.cfg.teacher_topk if split == "train" else 0
+        return build_store(
+            self.target,
+            responses,
+            self.drafter.config.target_layer_ids,
+            topk=topk,
+            response_set=f"greedy-{self.cfg.max_new_tokens}",
+            compute_missing=compute_missing,
+            on_start=lambda n, size: self.progress(
+                "features_start", {"split": split, "sequences": n, "bytes": size}
+            ),
+            on_progress=lambda n, toks: self.progress(
+                "features", {"split": split, "sequences": n, "tokens": toks}
+            ),
+        )
 
     # --- training -----------------------------------------------------------------------
 
-    def _train_step(self, batch: list[Response]) -> dict:
+    def _sample(
+        self, store: FeatureStore, step: int, salt: int = 0
+    ) -> list[tuple[StoredSequence, torch.Tensor]]:
+        """Deterministic per step (resume reproduces the data order): sequences and anchors."""
         c = self.cfg
-        self.drafter.train()
-        passes = sequence_pass(
-            self.target.model,
-            [r.tokens for r in batch],
-            self.drafter.config.target_layer_ids,
-            teacher_from=[len(r.prompt_ids) for r in batch],
-        )
-        self.opt.zero_grad(set_to_none=True)
-        total_loss = total_head = 0.0
-        for r, sp in zip(batch, passes, strict=True):
-            P, L = len(r.prompt_ids), len(r.tokens)
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + step * 7919 + salt)
+        picks = torch.randint(len(store), (c.seqs_per_step,), generator=g).tolist()
+        out = []
+        for i in picks:
+            seq = store[i]
+            P, L = seq.prompt_len, seq.tokens.numel()
             if L - 1 <= P:
                 continue
             # Anchors at response positions: the decoder's first anchor is the first response token.
             pool = torch.arange(P, L - 1)
-            anchors = pool[torch.randperm(pool.numel())[: c.anchors_per_seq]].sort().values
-            out = block_objective(
-                self.drafter, self.head, self.target.model, sp, anchors, self.objective, self.weights
-            )
-            loss, head_loss = out.drafter, out.head
-            ((loss + head_loss) / len(batch)).backward()
-            total_loss += loss.item()
-            total_head += head_loss.item()
+            take = torch.randperm(pool.numel(), generator=g)[: c.anchors_per_seq]
+            out.append((seq, pool[take].sort().values))
+        return out
+
+    def _train_step(self, store: FeatureStore, vocab: VocabCut) -> dict:
+        c = self.cfg
+        self.drafter.train()
+        lr = lr_at(self.state.step, c.steps, c.lr, c.warmup_frac, c.lr_floor)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        batch = self._sample(store, self.state.step)
+        g = torch.Generator().manual_seed(c.seed * 7 + self.state.step)
+        vocab = vocab.with_negatives(c.vocab_negatives, g)
+        total = 0.0
+        correct = torch.zeros(c.block_size - 1)
+        rows = torch.zeros(c.block_size - 1)
+        for seq, anchors in batch:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+                out = stored_block_loss(
+                    self.drafter, self.target.model, seq, anchors, self.weights, vocab, c.kl_weight
+                )
+            (out.loss / len(batch)).backward()
+            total += out.loss.item()
+            correct += out.correct_at
+            rows += out.rows_at
+            self.state.seen_blocks += anchors.numel()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.opt.step()
-        return {"loss": total_loss / len(batch), "head_mse": total_head / len(batch)}
+        return {
+            "loss": total / max(len(batch), 1),
+            "lr": lr,
+            "acc1": float(correct[0] / rows[0].clamp_min(1)),
+        }
 
-    def run(self) -> dict:
+    def _head_step(self, store: FeatureStore) -> float:
+        """One MSE step of the length head on the frozen drafter's full-block acceptance."""
+        self.drafter.eval()
+        k = self.cfg.block_size
+        hidden_all, acc_all = [], []
+        with torch.no_grad():
+            for seq, anchors in self._sample(store, self.state.head_step, salt=1):
+                hidden, labels = stored_block_hidden(self.drafter, self.target.model, seq, anchors)
+                acc = torch.zeros(anchors.numel(), dtype=torch.long)
+                still = torch.ones(anchors.numel(), dtype=torch.bool)
+                for i in range(1, k):  # progressive full-vocabulary argmax, as in decoding
+                    r = still.nonzero().squeeze(1)
+                    if r.numel() == 0:
+                        break
+                    hit = self.target.model.logits(hidden[r, i]).argmax(-1) == labels[r, i - 1]
+                    acc[r[hit]] += 1
+                    still[r[~hit]] = False
+                hidden_all.append(hidden)
+                acc_all.append(acc)
+        self.head.train()
+        self.head_opt.zero_grad(set_to_none=True)
+        hidden, acc = torch.cat(hidden_all), torch.cat(acc_all)
+        loss = F.mse_loss(self.head(hidden), acceptance_label(acc, k).to(hidden.dtype))
+        loss.backward()
+        self.head_opt.step()
+        self.drafter.train()
+        return float(loss.detach())
+
+    def run(self, command: str = "adaflash drafter bootstrap") -> dict:
+        """`command` (what reproduces this run) goes into the model card."""
         c = self.cfg
         t_start = time.time()
-        deadline = t_start + c.budget_minutes * 60
+        deadline = t_start + c.budget_minutes * 60 if c.budget_minutes else None
         held_prompts = interleave(load_prompts("heldout", self.data_dir), c.eval_per_domain)
-        heldout = self._responses("heldout", held_prompts, None)
+        heldout = self._responses("heldout", held_prompts, deadline)
         train_prompts = interleave(load_prompts("train", self.data_dir))[: c.max_train_prompts]
-        gen_deadline = t_start + c.data_fraction * c.budget_minutes * 60
-        train = self._responses("train", train_prompts, gen_deadline)
-        if not train:
-            raise AdaFlashError("no training responses: raise --budget-minutes")
+        train = self._responses("train", train_prompts, deadline)
+        if not train or not heldout:
+            raise AdaFlashError(
+                "no training or held-out responses: the committed corpus does not cover this target "
+                "and generation was disabled or out of budget (drop --no-generate or raise --budget-minutes)"
+            )
+        store = self._store("train", train)
+        held_store = self._store("heldout", heldout)
+        vocab = self._vocab(store)
         if c.standardize_fc and self.state.step == 0:
-            self._standardize_fc(train[:16])
-        held_passes, held_starts = self._heldout_passes(heldout)
-        held_domains = [r.domain for r in heldout]
+            self._standardize_fc([store[i] for i in range(min(16, len(store)))])
+        held = [held_store[i] for i in range(len(held_store))]
+        held_passes = [_as_pass(s) for s in held]
+        held_starts = [s.prompt_len for s in held]
+        held_domains = [s.domain for s in held]
         curve_idx = self._curve_subset(held_domains)
-
-        rng = random.Random(c.seed + self.state.epoch)
-        order = list(range(len(train)))
-        rng.shuffle(order)
-        # Reserve time for the final held-out evaluation (measured on the curve subset).
-        eval_reserve = 0.0
-        last_ckpt = last_curve = time.time()
-        lineage = self._lineage(train)
         self.progress(
-            "train_start", {"sequences": len(train), "tokens": lineage["train_tokens"], "deadline": deadline}
+            "train_start",
+            {
+                "sequences": len(store),
+                "tokens": store.response_tokens(),
+                "vocab": vocab.size,
+                "steps": c.steps,
+            },
         )
         if not self.state.curve:
-            eval_reserve = self._curve_point(held_passes, held_starts, held_domains, curve_idx)
-        while time.time() + eval_reserve * (len(held_passes) / max(len(curve_idx), 1)) < deadline:
+            self._curve_point(held_passes, held_starts, held_domains, curve_idx)
+        last_ckpt = time.time()
+        eval_reserve = 0.0
+        stopped_by_budget = False
+        while self.state.step < c.steps:
+            if deadline is not None and time.time() + eval_reserve > deadline:
+                stopped_by_budget = True
+                break
+            if c.refresh_every_steps and self.state.step and self.state.step % c.refresh_every_steps == 0:
+                # Responses another process keeps generating into the cache join the store.
+                grown = self._responses("train", train_prompts, 0.0)
+                if len(grown) > len(store):
+                    store = self._store("train", grown, compute_missing=False)
+                    vocab = self._vocab(store)
+                    self.progress("refresh", {"sequences": len(store), "tokens": store.response_tokens()})
             t0 = time.time()
-            if self.state.cursor >= len(order):
-                self.state.epoch += 1
-                self.state.cursor = 0
-                rng = random.Random(c.seed + self.state.epoch)
-                rng.shuffle(order)
-            batch = [train[i] for i in order[self.state.cursor : self.state.cursor + c.seqs_per_step]]
-            self.state.cursor += c.seqs_per_step
-            info = self._train_step(batch)
+            info = self._train_step(store, vocab)
             self.state.step += 1
-            self.state.seen_sequences += len(batch)
             self.state.train_seconds += time.time() - t0
-            self.progress("step", {**info, "step": self.state.step, "epoch": self.state.epoch})
-            if time.time() - last_curve > c.curve_every_minutes * 60:
-                eval_reserve = self._curve_point(held_passes, held_starts, held_domains, curve_idx)
-                last_curve = time.time()
+            self.progress("step", {**info, "step": self.state.step, "steps": c.steps})
+            if self.state.step % c.curve_every_steps == 0:
+                t_eval = time.time()
+                self._curve_point(held_passes, held_starts, held_domains, curve_idx)
+                # The final evaluation covers all held-out sequences plus the head phase.
+                eval_reserve = (time.time() - t_eval) * (1 + len(held_passes) / max(len(curve_idx), 1))
             if time.time() - last_ckpt > c.checkpoint_every_minutes * 60:
-                self._checkpoint(self._lineage(train))
+                self._checkpoint(self._lineage(store, vocab))
                 last_ckpt = time.time()
+        self._checkpoint(self._lineage(store, vocab))
+        while self.state.head_step < c.head_steps:
+            mse = self._head_step(store)
+            self.state.head_step += 1
+            self.progress("head", {"head_step": self.state.head_step, "mse": mse, "head_steps": c.head_steps})
 
         self.progress("evaluate", {"sequences": len(held_passes)})
         report = evaluate_acceptance(
-            self.drafter, self.target.model, held_passes, held_starts, held_domains, self.head
+            self.drafter, self.target.model, held_passes, held_starts, held_domains, self.head, ngram=True
         )
         self.state.curve.append(
             {
+                "step": self.state.step,
                 "train_minutes": round(self.state.train_seconds / 60, 2),
-                "seen_sequences": self.state.seen_sequences,
                 "dflash_tau": report["all"]["dflash_tau"],
                 "subset": "full",
             }
         )
-        self._checkpoint(self._lineage(train))
+        self._checkpoint(self._lineage(store, vocab))
         metrics = {
             "target": self.target.name,
             "target_fingerprint": self.target.fingerprint,
-            "budget_minutes": c.budget_minutes,
             "wall_minutes": round((time.time() - t_start) / 60, 2),
             "train_minutes": round(self.state.train_seconds / 60, 2),
             "steps": self.state.step,
-            "epochs": self.state.epoch,
-            "train_sequences": len(train),
-            "train_tokens": lineage["train_tokens"],
-            "seen_sequences": self.state.seen_sequences,
+            "stopped_by_budget": stopped_by_budget,
+            "train_sequences": len(store),
+            "train_tokens": store.response_tokens(),
+            "epochs": round(self.state.seen_blocks / max(store.response_tokens(), 1), 3),
             "heldout": report,
             "tau_vs_budget": self.state.curve,
             "config": asdict(c),
         }
         (self.out / METRICS).write_text(json.dumps(metrics, indent=2))
         plot_tau_vs_budget(metrics, self.out / "tau_vs_budget.png")
+        (self.out / "README.md").write_text(model_card.render(metrics, command))
         return metrics
 
+    def _vocab(self, store: FeatureStore) -> VocabCut:
+        V = self.target.config.vocab_size
+        if not self.cfg.vocab_cut:
+            return VocabCut.full(V)
+        responses = (store[i].tokens[store.entries[i].prompt_len :] for i in range(len(store)))
+        return VocabCut.from_tokens(V, responses, extra=self.target.tokenizer.eos_token_ids)
+
     @torch.no_grad()
-    def _standardize_fc(self, sample: list[Response]) -> None:
+    def _standardize_fc(self, sample: list[StoredSequence]) -> None:
         """fc.weight[:, j] /= std_j of feature dim j (measured on a few training sequences)."""
-        ids = self.drafter.config.target_layer_ids
-        passes = sequence_pass(self.target.model, [r.tokens for r in sample], ids)
-        feats = torch.cat([p.features.float() for p in passes])
+        feats = torch.cat([s.features.float() for s in sample])
         std = feats.std(dim=0).clamp_min(1e-3)
         w = self.drafter.fc.weight
         w.copy_(w / std.to(w.dtype)[None, :])
         self.progress("standardize_fc", {"max_std": float(std.max()), "median_std": float(std.median())})
 
-    def _lineage(self, train: list[Response]) -> dict:
+    def _lineage(self, store: FeatureStore, vocab: VocabCut) -> dict:
         return {
             "kind": "bootstrap",
-            "responses": str(responses_path(self.target, "train", self.cfg.max_new_tokens).name),
-            "train_sequences": len(train),
-            "train_tokens": sum(len(r.response_ids) for r in train),
+            "responses": responses_path(self.target, "train", self.cfg.max_new_tokens).name,
+            "responses_version": store.version,
+            "train_sequences": len(store),
+            "train_tokens": store.response_tokens(),
+            "train_vocab": vocab.size,
             "steps": self.state.step,
-            "prompt_sets": ["gsm8k/train", "code_alpaca/train", "mbpp/train", "mt_bench/train"],
+            "prompt_sets": sorted({e.id.split("/")[0] for e in store.entries}),
         }
 
     def _curve_subset(self, domains: list[str]) -> list[int]:
@@ -330,8 +455,7 @@ class BootstrapTrainer:
                 picked[d].append(i)
         return [i for v in picked.values() for i in v]
 
-    def _curve_point(self, passes, starts, domains, idx) -> float:
-        t0 = time.time()
+    def _curve_point(self, passes, starts, domains, idx) -> None:
         rep = evaluate_acceptance(
             self.drafter,
             self.target.model,
@@ -340,11 +464,11 @@ class BootstrapTrainer:
             [domains[i] for i in idx],
         )
         point = {
+            "step": self.state.step,
             "train_minutes": round(self.state.train_seconds / 60, 2),
-            "seen_sequences": self.state.seen_sequences,
             "dflash_tau": rep["all"]["dflash_tau"],
+            "accept_1": rep["all"]["accept_rate_by_position"][0],
             "subset": f"{self.cfg.curve_per_domain}/domain",
         }
         self.state.curve.append(point)
         self.progress("curve", point)
-        return time.time() - t0

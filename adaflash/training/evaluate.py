@@ -17,6 +17,7 @@ import torch
 
 from adaflash.models.drafter import Drafter
 from adaflash.models.length_head import LengthHead, acceptance_label, verify_lengths
+from adaflash.models.ngram import propose
 from adaflash.models.transformer import TargetModel
 from adaflash.training.blocks import SequencePass, block_inputs
 
@@ -101,6 +102,27 @@ def _walk(
         anchor[alive] += acc + 1
 
 
+def ngram_walk(seqs: list[torch.Tensor], starts: list[int], block_size: int) -> WalkStats:
+    """The same replay for prompt-lookup drafting (`models.ngram`): up to k-1 drafts per round
+    from the prompt and the output so far, verified in full."""
+    stats = WalkStats(accepted_at=[0] * (block_size - 1))
+    for toks, start in zip(seqs, starts, strict=True):
+        t = toks.tolist()
+        L, a = len(t), start
+        while a < L - 1:
+            left = L - 1 - a
+            draft = propose(t[: a + 1], min(block_size - 1, left - 1))
+            acc = 0
+            while acc < len(draft) and draft[acc] == t[a + 1 + acc]:
+                stats.accepted_at[acc] += 1
+                acc += 1
+            stats.rounds += 1
+            stats.tokens += acc + 1
+            stats.verified += len(draft) + 1
+            a += acc + 1
+    return stats
+
+
 def evaluate_acceptance(
     drafter: Drafter,
     target: TargetModel,
@@ -109,9 +131,11 @@ def evaluate_acceptance(
     domains: list[str],
     head: LengthHead | None = None,
     gamma: float = 1.0,
+    ngram: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Per domain (and "all"): τ and mean verify length for dflash, and for adaflash if a head
-    is given, plus the head's calibration error |â − a*| and per-position acceptance."""
+    is given, plus the head's calibration error |â − a*| and per-position acceptance; with
+    `ngram`, the prompt-lookup baseline's τ on the same continuations and block size."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, d in enumerate(domains):
         groups[d].append(i)
@@ -128,6 +152,9 @@ def evaluate_acceptance(
             "dflash_mean_verify_len": round(fixed.mean_verify_len, 3),
             "accept_rate_by_position": [round(a / max(fixed.rounds, 1), 4) for a in fixed.accepted_at],
         }
+        if ngram:
+            ng = ngram_walk([s.tokens for s in sub], st, drafter.block_size)
+            row.update(ngram_tau=round(ng.tau, 4), ngram_mean_verify_len=round(ng.mean_verify_len, 3))
         if head is not None:
             ada = _walk(drafter, target, sub, st, head, gamma)
             row.update(

@@ -12,10 +12,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adaflash.models.generate import greedy_generate
 from adaflash.models.targets import Target, cache_root
 from adaflash.workloads import Prompt
+
+if TYPE_CHECKING:
+    from adaflash.training.feature_store import StoreWriter
+
+MAX_PROMPT_TOKENS = 384  # prompts are cut to their last 384 tokens (chat template included)
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,15 @@ def ensure_responses(
     batch_size: int = 128,
     report_every: int = 32,
     min_partial_tokens: int = 32,
-    max_prompt_tokens: int = 384,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     deadline: float | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    features: StoreWriter | None = None,
 ) -> list[Response]:
     """Responses for `prompts` (cached ones reused); stops at `deadline` (time.time()),
-    keeping every response finished by then. `batch_size` is the number of decode slots."""
+    keeping every response finished by then. `batch_size` is the number of decode slots.
+    With `features`, the generator's own forward passes fill the feature store as it goes
+    (no second target pass over the responses)."""
     have = {r.id: r for r in read_responses(path)}
     todo = [p for p in prompts if p.id not in have]
     if not todo or (deadline is not None and time.time() > deadline):
@@ -72,8 +81,13 @@ def ensure_responses(
     done = {"prompts": 0, "tokens": 0}
     with path.open("a") as f:
 
+        captured: dict[int, object] = {}
+
         def persist(i: int, resp: list[int], complete: bool = True) -> None:
             r = Response(todo[i].id, todo[i].domain, ids[i], list(resp), complete)
+            rows = captured.pop(i, None)
+            if features is not None and rows is not None:
+                features.add(r, rows)  # before the cache line: a reader never finds ids without rows
             have[r.id] = r
             f.write(json.dumps(asdict(r)) + "\n")
             f.flush()  # an interrupted run keeps every finished response
@@ -84,12 +98,16 @@ def ensure_responses(
 
         # One continuous batch over everything missing; slots refill as responses finish.
         out = greedy_generate(target.model, ids, max_new_tokens, tok.eos_token_ids, slots=batch_size,
-                              on_done=persist, deadline=deadline)  # fmt: skip
+                              on_done=persist, deadline=deadline,
+                              capture_layers=features.key.layer_ids if features else (),
+                              on_features=captured.__setitem__ if features else None)  # fmt: skip
         # Responses cut by the deadline are still the target's greedy prefixes: keep the
         # longer ones rather than throw the compute away.
         for i, resp in enumerate(out):
             if resp is not None and todo[i].id not in have and len(resp) >= min_partial_tokens:
                 persist(i, resp, complete=False)
+    if features is not None:
+        features.flush()
     if on_progress and done["prompts"] % report_every:
         on_progress(done["prompts"] % report_every, done["tokens"])
     return [have[p.id] for p in prompts if p.id in have]

@@ -1,0 +1,51 @@
+"""The offline feature store: features captured while generating equal a separate target pass;
+builds are incremental and resumable; training vocab cuts keep sampled negatives."""
+
+from __future__ import annotations
+
+import torch
+
+from adaflash.training.feature_store import FeatureStore, StoreWriter, build_store
+from adaflash.training.offline import VocabCut
+from adaflash.training.responses import ensure_responses
+from adaflash.workloads import Prompt
+
+LAYERS = (1, 2)
+
+
+def _prompts(n: int) -> list[Prompt]:
+    return [Prompt(f"t/{i}", "chat", f"question {i}: {'ab' * (i % 4)}?") for i in range(n)]
+
+
+def test_captured_features_equal_a_separate_pass_and_builds_are_incremental(tiny32, tmp_path):
+    writer = StoreWriter(tiny32, LAYERS, "greedy-24", root=tmp_path / "cap")
+    responses = ensure_responses(
+        tiny32, _prompts(10), tmp_path / "r.jsonl", 24, batch_size=4, features=writer
+    )
+    captured = FeatureStore(writer.path)
+    assert len(captured) == 10
+    seen = []
+    fresh = build_store(tiny32, responses, LAYERS, response_set="greedy-24", root=tmp_path / "pass",
+                        on_start=lambda n, size: seen.append((n, size)))  # fmt: skip
+    assert seen[0][0] == 10 and seen[0][1] > 0
+    by_id = {captured.entries[i].id: captured[i] for i in range(len(captured))}
+    for i in range(len(fresh)):
+        a, b = fresh[i], by_id[fresh[i].id]
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        L = a.tokens.numel()  # the last position is never fed while generating (nor ever read)
+        torch.testing.assert_close(a.features[: L - 1].float(), b.features[: L - 1].float(), rtol=2e-3, atol=2e-3)
+    # A second build over more responses stores only the new ones; the view keeps the order.
+    more = ensure_responses(tiny32, _prompts(14), tmp_path / "r.jsonl", 24, batch_size=4)
+    seen.clear()
+    grown = build_store(tiny32, more, LAYERS, response_set="greedy-24", root=tmp_path / "pass",
+                        on_start=lambda n, size: seen.append((n, size)))  # fmt: skip
+    assert seen[0][0] == 4 and [e.id for e in grown.entries] == [r.id for r in more]
+    assert grown.version != fresh.version
+
+
+def test_vocab_cut_with_negatives():
+    cut = VocabCut.from_tokens(50, [torch.tensor([3, 7, 7, 9])], extra=[1])
+    assert cut.ids.tolist() == [1, 3, 7, 9] and cut.index[7] == 2 and cut.index[4] == -1
+    neg = cut.with_negatives(10, torch.Generator().manual_seed(0))
+    assert neg.size == 14 and set(cut.ids.tolist()) <= set(neg.ids.tolist())
+    assert (neg.index[neg.ids] == torch.arange(14)).all()

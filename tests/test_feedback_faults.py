@@ -1,0 +1,95 @@
+"""No silent loss on the feedback path (issue 14): a broker that shuts down gracefully (SIGTERM)
+keeps acknowledging sends on open connections while it refuses new ones, then exits with its
+memory-only topics. Every record sent after the fault must still arrive — spooled, replayed and,
+after dedupe by record id, exactly once — and the producer's counts are in /metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+
+from adaflash.feedback import topics
+from adaflash.feedback.broker import Broker, free_port
+from adaflash.feedback.producer import FeedbackProducer, ProducerConfig, broker_answers
+from adaflash.feedback.schema import parse_record
+from adaflash.procs import alive
+from adaflash.serving.engine import Engine, EngineConfig
+from adaflash.serving.server import ServerSettings, ServerThread, create_app
+from tests.kafka_util import read_topic, running_broker
+from tests.test_feedback_bus import _record
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_records_sent_after_a_sigtermed_broker_arrive_exactly_once(tmp_path):
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    producer = FeedbackProducer(ProducerConfig(bootstrap, tmp_path / "spool", retry_seconds=0.3))
+    before, after = [_record(i) for i in range(10)], [_record(100 + i) for i in range(32)]
+    broker = Broker(tmp_path / "broker", port=port)
+    broker.start()
+    try:
+        assert broker_answers(bootstrap)
+        for r in before:
+            producer.send(r)
+        assert producer.flush(30) and producer.stats["sent"] == len(before)
+        pid = broker._pid()
+        os.kill(pid, signal.SIGTERM)  # graceful: open connections keep being served for a while
+        _wait(lambda: not broker_answers(bootstrap), 10, "the broker kept taking new connections")
+        for r in after:
+            producer.send(r)
+            time.sleep(0.02)
+        assert producer.flush(60)
+        st = producer.stats
+        assert st["sent"] == len(before) and st["spooled"] == len(after) == st["spool_records"]
+        _wait(lambda: not alive(pid), 30, "the SIGTERMed broker did not exit")
+    finally:
+        broker.stop()
+    # The broker comes back (empty: what it held is the memory-only broker's loss, counted apart).
+    with running_broker(tmp_path / "broker", port=port) as broker:
+        _wait(lambda: producer.stats["spool_records"] == 0, 60, "the spool was not replayed")
+        producer.close()
+        msgs = read_topic(broker.bootstrap_servers, topics.RAW)
+    ids = [parse_record(m.value).record_id for m in msgs]
+    assert {r.record_id for r in after} <= set(ids)  # every record sent after the fault arrived...
+    assert len(set(ids)) == len(ids)  # ... exactly once
+    st = producer.stats
+    assert st["replayed"] == len(after) and st["spool_dropped"] == 0
+
+
+def test_feedback_counts_and_spool_depth_are_in_metrics(tmp_path, tiny64):
+    port = free_port()
+    producer = FeedbackProducer(ProducerConfig(f"127.0.0.1:{port}", tmp_path / "spool", retry_seconds=0.3))
+    engine = Engine(tiny64, None, EngineConfig(method="ar"))
+    srv = ServerThread(create_app(engine, ServerSettings(), feedback=producer), port=free_port()).start()
+    try:
+        for i in range(5):
+            producer.send(_record(i))  # no broker yet: spooled
+        assert producer.flush(30)
+        m = httpx.get(srv.url + "/metrics").text
+        assert 'adaflash_feedback_records_total{outcome="spooled"} 5.0' in m
+        assert 'adaflash_feedback_records_total{outcome="sent"} 0.0' in m
+        assert "adaflash_feedback_spool_records 5.0" in m
+        with running_broker(tmp_path / "broker", port=port):
+            _wait(lambda: producer.stats["spool_records"] == 0, 60, "the spool was not replayed")
+            producer.send(_record(9))
+            assert producer.flush(30)
+            m = httpx.get(srv.url + "/metrics").text
+        for line in (
+            'adaflash_feedback_records_total{outcome="replayed"} 5.0',
+            'adaflash_feedback_records_total{outcome="sent"} 1.0',
+            'adaflash_feedback_records_total{outcome="dropped"} 0.0',
+            "adaflash_feedback_spool_records 0.0",
+        ):
+            assert line in m, line
+    finally:
+        srv.stop()
+        producer.close()

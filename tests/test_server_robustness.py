@@ -1,0 +1,383 @@
+"""One bad request must never take the server down (issue 14): every probe that used to give a
+500, a hang or a silently wrong answer now gets an OpenAI-shaped 4xx, the step loop survives
+per-request failures, and the sampling parameters clients send routinely (stop, top_p, top_k, n)
+work — with speculative sampling still lossless against the filtered target distribution."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from tests.conftest import make_bundle
+from tests.test_server import serving
+from tests.test_speculative import V, _chi2_pvalue, _flat_drafter, _tiny_vocab_target, quick_train
+
+PROMPT = "question 7: why why 91"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny64):
+    return quick_train(make_bundle(tiny64, block_size=8, seed=4), tiny64, 40, seed=4)
+
+
+@pytest.fixture(scope="module")
+def server(tiny64, trained):
+    with serving(tiny64, trained, method="dflash", max_running=8, max_queue=32) as s:
+        yield s
+
+
+def _ref(target, text: str, n: int) -> list[int]:
+    ids = target.tokenizer.encode(text)
+    return SpeculativeDecoder(target).generate([ids], DecodeConfig("ar", n))[0].token_ids
+
+
+def _post(c: httpx.Client, path: str, body) -> httpx.Response:
+    """Raw JSON (ensure_ascii): lets a test send lone surrogates and arbitrary nesting."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return c.post(path, content=data, headers={"Content-Type": "application/json"})
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+DEEP = b'{"prompt": "x", "extra": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+POISON = [
+    # (name, path, body, status, words the error message must contain)
+    ("lone surrogate", C, {"prompt": "a\ud800b", "max_tokens": 4}, 400, "surrogate"),
+    ("lone surrogate in chat", CH, {"messages": [{"role": "user", "content": "a\udfffb"}]}, 400, "surrogate"),
+    ("negative token id", C, {"prompt": [256, -5, 104], "max_tokens": 4}, 400, "token ids"),
+    ("huge token id", C, {"prompt": [256, 10**30], "max_tokens": 4}, 400, "token ids"),
+    ("seed 2**64", C, {"prompt": "hi", "seed": 2**64, "max_tokens": 4}, 400, "seed"),
+    (
+        "non-string text part",
+        CH,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        400,
+        "must be a string",
+    ),
+    (
+        "image part",
+        CH,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "only text",
+    ),
+    ("unknown role", CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("max_tokens 0", C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "max_completion_tokens 0",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    ("unknown model", C, {"model": "gpt-4o", "prompt": "hi"}, 404, "does not exist"),
+    ("negative temperature", C, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("infinite temperature", C, b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature"),
+    ("top_p 0", C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_k -2", C, {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("n 0", C, {"prompt": "hi", "n": 0}, 400, "n must be"),
+    ("n 1000", C, {"prompt": "hi", "n": 1000}, 400, "n must be"),
+    ("5 stops", C, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty stop", C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("logprobs", C, {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    (
+        "penalty",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+        400,
+        "penalty",
+    ),
+    ("empty prompt", C, {"prompt": []}, 400, "empty"),
+    ("missing prompt", C, {"max_tokens": 4}, 400, "prompt"),
+    ("prompt of wrong type", C, {"prompt": {"a": 1}}, 400, "prompt"),
+    ("invalid JSON", C, b'{"prompt": "hi",', 400, ""),
+    ("10,000-deep JSON", C, DEEP, 400, ""),
+    ("JSON array body", C, b"[1, 2]", 400, ""),
+]
+
+
+def test_poison_requests_get_openai_4xx_and_the_server_keeps_serving(tiny64, server):
+    engine, srv = server
+    ref = _ref(tiny64, PROMPT, 12)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for name, path, body, status, words in POISON:
+            r = _post(c, path, body)
+            assert r.status_code == status, (name, r.status_code, r.text)
+            err = r.json()["error"]  # the OpenAI error object, never FastAPI's {"detail": ...}
+            assert "detail" not in r.json() and err["type"] == "invalid_request_error", name
+            assert words.lower() in err["message"].lower(), (name, err)
+        assert _post(c, C, {"model": "gpt-4o", "prompt": "hi"}).json()["error"]["code"] == "model_not_found"
+        nowhere = c.get("/v1/nowhere")
+        assert nowhere.status_code == 404 and "error" in nowhere.json()
+        assert c.get("/v1/models/adaflash").json()["id"] == "adaflash"
+        assert c.get("/v1/models/gpt-4o").status_code == 404
+        # temperature 1e-40 used to overflow logits / T and kill the step loop: now it is greedy.
+        for t in (1e-40, 5e-324, 1e-6):
+            r = _post(c, C, {"model": "adaflash", "prompt": PROMPT, "max_tokens": 12, "temperature": t})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref, t
+        # max_tokens is honoured as given (it used to fall back to 128 when 0).
+        r = _post(c, C, {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        assert r.json()["choices"][0]["token_ids"] == ref[:3]
+        health = c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        metrics = c.get("/metrics").text
+        assert 'adaflash_requests_rejected_total{reason="invalid"}' in metrics
+    assert engine.failure is None and engine._thread.is_alive()
+
+
+def _stop_cases(target) -> list[tuple[str, str, int]]:
+    """(prompt, stop, expected end of the text) with stops taken from inside the greedy text."""
+    out = []
+    eos = set(target.tokenizer.eos_token_ids)
+    for i in range(12):
+        prompt = f"question {i}: {'why ' * (i % 4)}{i * 13}"
+        text = target.tokenizer.decode([t for t in _ref(target, prompt, 40) if t not in eos])
+        for start in range(2, len(text) - 2):
+            stop = text[start : start + 1 + i % 2]
+            if "\ufffd" not in stop and stop not in text[:start]:
+                out.append((prompt, stop, start))
+                break
+    assert len(out) >= 4
+    return out
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash"])
+def test_stop_sequences_truncate_exactly_on_committed_text(tiny64, server, method):
+    _, srv = server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    for prompt, stop, end in _stop_cases(tiny64):
+        ids = _ref(tiny64, prompt, 40)
+        full = tiny64.tokenizer.decode(ids)
+        kw = dict(
+            model="adaflash", prompt=prompt, max_tokens=40, temperature=0, extra_body={"method": method}
+        )
+        r = client.completions.create(stop=[stop, "\x00never"], **kw)
+        ch = r.choices[0]
+        assert ch.text == full[:end] and ch.finish_reason == "stop", (prompt, stop)
+        got = ch.model_extra["token_ids"]
+        assert got == ids[: len(got)] and stop in tiny64.tokenizer.decode(got)  # committed up to the match
+        assert stop not in tiny64.tokenizer.decode(got[:-1])  # ... and not one token further
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw))
+        assert streamed == full[:end]  # the stop text is never streamed, even partially
+
+
+def test_n_choices_seeds_top_k_and_top_p(tiny64, server):
+    _, srv = server
+    ref = _ref(tiny64, PROMPT, 16)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        base = {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0}
+        # top_k = 1 (or a tiny top_p) leaves only the argmax: sampling must give the greedy text,
+        # which needs the filter on the target's p *and* on the drafter's q.
+        for f in ({"top_k": 1}, {"top_p": 1e-9}):
+            for seed in (1, 2):
+                r = _post(c, C, {**base, **f, "seed": seed, "method": "dflash"}).json()
+                assert r["choices"][0]["token_ids"] == ref, f
+        three = _post(c, C, {**base, "n": 3, "seed": 7}).json()
+        assert [ch["index"] for ch in three["choices"]] == [0, 1, 2]
+        outs = [ch["token_ids"] for ch in three["choices"]]
+        assert len({tuple(o) for o in outs}) > 1  # the choices are independent samples...
+        for i in range(3):  # ... each the sample its own seed gives
+            one = _post(c, C, {**base, "seed": 7 + i}).json()
+            assert one["choices"][0]["token_ids"] == outs[i]
+        assert three["usage"]["completion_tokens"] == sum(len(o) for o in outs)
+        msgs = [{"role": "user", "content": "hello"}]
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        done = set()
+        with c.stream(
+            "POST", CH, json={"messages": msgs, "n": 2, "max_tokens": 10, "stream": True, "seed": 3}
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    seen[ch["index"]] += ch["token_ids"]
+                    if ch["finish_reason"]:
+                        done.add(ch["index"])
+        assert done == {0, 1} and all(len(v) == 10 for v in seen.values())
+
+
+# --- per-request isolation in the engine --------------------------------------------------------
+
+
+def _drain(reqs, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not all(r.finished for r in reqs):
+        assert time.monotonic() < deadline, "requests did not finish"
+        time.sleep(0.01)
+
+
+def test_failing_sink_cancels_only_its_own_request(tiny64, trained):
+    engine = Engine(tiny64, trained, EngineConfig(method="dflash", max_running=4), "v1")
+    engine.start()
+    try:
+        ids = tiny64.tokenizer.encode(PROMPT)
+
+        def broken(req, new, finished):
+            raise RuntimeError("the client's event loop is closed")
+
+        bad = engine.submit(Request(ids, GenParams(max_tokens=30, temperature=0), sink=broken))
+        good = engine.submit(Request(ids, GenParams(max_tokens=30, temperature=0)))
+        _drain([bad, good])
+        assert bad.cancelled and good.output_ids == _ref(tiny64, PROMPT, 30)
+        assert engine.failure is None and engine._thread.is_alive()
+    finally:
+        engine.stop()
+
+
+def test_numeric_failure_fails_one_request_and_leaves_its_batch_untouched(tiny64, trained, monkeypatch):
+    """A request whose sampling distribution turns non-finite (injected here: the engine's own
+    guards make the known causes impossible) fails alone, mid-batch; its neighbours produce what
+    they produce without it."""
+    ids = tiny64.tokenizer.encode(PROMPT)
+
+    def requests():
+        return [
+            Request(ids, GenParams(max_tokens=24, temperature=0.8, seed=s, method=m))
+            for s, m in itertools.product((1, 2), ("ar", "dflash"))
+        ]
+
+    alone = Engine(tiny64, trained, EngineConfig(max_running=8), "v1")
+    expected = [alone.submit(r) for r in requests()]
+    alone.run_until_idle()
+
+    real = Engine._dist
+
+    def poisoned(logits, owners):
+        p = real(logits, owners)
+        for j, r in enumerate(owners):
+            if r.params.seed == 666 and len(r.output_ids) >= 3:
+                p[j] = float("nan")
+        return p
+
+    monkeypatch.setattr(Engine, "_dist", staticmethod(poisoned))
+    engine = Engine(tiny64, trained, EngineConfig(max_running=8), "v1")
+    victims = [
+        Request(ids, GenParams(max_tokens=24, temperature=0.8, seed=666, method=m)) for m in ("ar", "dflash")
+    ]
+    reqs = requests()
+    for r in [*reqs[:2], *victims, *reqs[2:]]:
+        engine.submit(r)
+    engine.start()
+    try:
+        _drain(reqs + victims)
+    finally:
+        engine.stop()
+    assert all(v.finish_reason == "error" and v.error_kind == "invalid" and v.error for v in victims)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in expected]
+    assert engine.failure is None and engine.idle and len(engine.scheduler.free_slots) == 8
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(tiny64, trained, monkeypatch):
+    engine = Engine(tiny64, trained, EngineConfig(method="dflash", max_running=4), "v1")
+    real, calls = engine.runner.forward, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step
+            raise RuntimeError("injected fault")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    engine.start()
+    try:
+        ids = tiny64.tokenizer.encode(PROMPT)
+        first = engine.submit(Request(ids, GenParams(max_tokens=20, temperature=0)))
+        _drain([first])
+        assert first.finish_reason == "error" and first.error_kind == "server"
+        second = engine.submit(Request(ids, GenParams(max_tokens=20, temperature=0)))
+        _drain([second])
+        assert second.output_ids == _ref(tiny64, PROMPT, 20)
+        assert engine.failure is None and engine._thread.is_alive()
+    finally:
+        engine.stop()
+
+
+def test_loop_that_keeps_failing_gives_up_visibly(tiny64, monkeypatch):
+    with serving(tiny64, None, method="ar") as (engine, srv):
+
+        def dead(*a, **kw):
+            raise RuntimeError("the accelerator fell off")
+
+        monkeypatch.setattr(engine.runner, "forward", dead)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            codes = [_post(c, C, {"prompt": "hi", "max_tokens": 4}).status_code for _ in range(3)]
+            assert codes == [500, 500, 500]  # failed, not hung
+            deadline = time.monotonic() + 10
+            while engine._thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not engine._thread.is_alive() and engine.failure is not None
+            assert c.get("/health").status_code == 503
+
+
+# --- top-k / top-p stay lossless ----------------------------------------------------------------
+
+
+def _filtered_law(target, prompt, n, temperature, top_p, top_k) -> torch.Tensor:
+    """The exact law of n sampled tokens under top-k then top-p (written independently of the
+    engine: sort, cut, renormalise, one position at a time)."""
+
+    def filt(probs: list[float]) -> list[float]:
+        order = sorted(range(V), key=lambda t: -probs[t])
+        keep = order[: top_k or V]
+        mass = sum(probs[t] for t in keep)
+        kept, acc = [], 0.0
+        for t in keep:
+            if acc >= top_p * mass and kept:
+                break
+            kept.append(t)
+            acc += probs[t]
+        z = sum(probs[t] for t in kept)
+        return [probs[t] / z if t in kept else 0.0 for t in range(V)]
+
+    law = torch.zeros((V,) * n, dtype=torch.float64)
+    for seq in itertools.product(range(V), repeat=n):
+        toks = torch.tensor([prompt + list(seq)])
+        out = target.model(toks, target.model.new_cache(1, 16))
+        probs = torch.softmax(target.model.logits(out.hidden[0]) / temperature, -1)
+        pr = 1.0
+        for i, t in enumerate(seq):
+            pr *= filt(probs[len(prompt) - 1 + i].tolist())[t]
+        law[seq] = pr
+    return law
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(1.0, 2), (0.8, 3)])
+def test_speculative_sampling_is_lossless_under_top_k_and_top_p(top_p, top_k):
+    target = _tiny_vocab_target()
+    bundle = _flat_drafter(target)
+    prompt, n, temperature, samples = [0, 1, 2], 3, 1.0, 3000
+    engine = Engine(
+        target, bundle, EngineConfig(method="dflash", max_running=64, max_queue=samples, max_model_len=16)
+    )
+    reqs = [
+        engine.submit(
+            Request(
+                prompt, GenParams(max_tokens=n, temperature=temperature, seed=i, top_p=top_p, top_k=top_k)
+            )
+        )
+        for i in range(samples)
+    ]
+    engine.run_until_idle()
+    counts = torch.zeros((V,) * n, dtype=torch.float64)
+    for r in reqs:
+        counts[tuple(r.output_ids)] += 1
+    rounds = [rd for r in reqs for rd in r.rounds]
+    assert (
+        sum(rd.accepted for rd in rounds) > 300
+        and sum(rd.verify_len - 1 - rd.accepted for rd in rounds) > 300
+    )
+    law = _filtered_law(target, prompt, n, temperature, top_p, top_k)
+    assert float(counts[law == 0].sum()) == 0  # nothing outside the filtered support
+    support = law > 0
+    small = law[support] * samples < 5
+    if small.any():  # pool sparse cells so the chi-square approximation holds
+        assert _chi2_pvalue(counts[support], law[support]) > 1e-3
+    else:
+        assert float(chisquare(counts[support].numpy(), (law[support] * samples).numpy()).pvalue) > 1e-3
