@@ -83,16 +83,17 @@ def generate(
 def bootstrap(
     out: Annotated[Path, typer.Option(help="drafter directory to write (resumed if it exists)")],
     target: TargetOpt = "smollm2",
-    steps: Annotated[int, typer.Option(help="optimiser steps (the run's length; not a time budget)")] = 3000,
+    steps: Annotated[int, typer.Option(help="optimiser steps (the run's length; not a time budget)")] = 2200,
     budget_minutes: Annotated[
         float | None, typer.Option(help="optional cap on the whole run, generation included")
     ] = None,
-    block_size: Annotated[int, typer.Option()] = 16,
-    layers: Annotated[int, typer.Option(help="drafter layers")] = 3,
-    lr: Annotated[float, typer.Option(help="peak drafter learning rate (warm-up + cosine)")] = 6e-4,
-    anchors: Annotated[int, typer.Option(help="anchor blocks per sequence per step")] = 64,
-    seqs_per_step: Annotated[int, typer.Option(help="sequences per optimiser step")] = 4,
+    block_size: Annotated[int, typer.Option()] = 8,
+    layers: Annotated[int, typer.Option(help="drafter layers")] = 2,
+    lr: Annotated[float, typer.Option(help="peak drafter learning rate (warm-up + cosine)")] = 3e-3,
+    anchors: Annotated[int, typer.Option(help="anchor blocks per sequence per step")] = 16,
+    seqs_per_step: Annotated[int, typer.Option(help="sequences per optimiser step")] = 8,
     kl_weight: Annotated[float, typer.Option(help="> 0: CE + top-k forward KL (teacher top-32)")] = 0.0,
+    position_decay: Annotated[float, typer.Option(help="weight exp(-(i-1)/γ) of draft position i")] = 4.0,
     bf16: Annotated[bool, typer.Option(help="bf16 autocast for training steps")] = False,
     init_from_target: Annotated[bool, typer.Option(help="start from the target's top layers")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="response length cap of the training data")] = 256,
@@ -128,6 +129,7 @@ def bootstrap(
         anchors_per_seq=anchors,
         seqs_per_step=seqs_per_step,
         kl_weight=kl_weight,
+        position_decay=position_decay,
         teacher_topk=32 if kl_weight > 0 else 0,
         bf16=bf16,
         init_from_target=init_from_target,
@@ -225,6 +227,42 @@ def _print_bootstrap(metrics: dict, out: Path) -> None:
         f"{metrics['train_sequences']} sequences "
         f"({metrics['train_tokens']} tokens); metrics in {out / 'bootstrap_metrics.json'}"
     )
+
+
+@drafter_app.command("corpus")
+def drafter_corpus(
+    target: TargetOpt = "smollm2",
+    max_new_tokens: Annotated[int, typer.Option(help="response length cap of the cached set")] = 256,
+) -> None:
+    """Write the cached greedy responses (ids only, no prompt text) to data/responses/ for git."""
+    from adaflash.models.targets import load_target
+    from adaflash.training.corpus import corpus_path, export_corpus
+    from adaflash.training.responses import read_responses, responses_path
+
+    tgt = load_target(target)
+    for split in ("train", "heldout"):
+        rows = read_responses(responses_path(tgt, split, max_new_tokens))
+        if not rows:
+            continue
+        out = corpus_path(tgt, split, max_new_tokens)
+        n = export_corpus(rows, out)
+        tokens = sum(len(r.response_ids) for r in rows)
+        console.print(f"{split}: {n} responses, {tokens} tokens -> {out} ({out.stat().st_size / 1e6:.2f} MB)")
+
+
+@drafter_app.command("release")
+def drafter_release(
+    src: Annotated[Path, typer.Argument(help="a bootstrap output directory")],
+    out: Annotated[Path, typer.Option(help="shipped drafter directory")] = Path("drafters/smollm2"),
+    target: TargetOpt = "smollm2",
+) -> None:
+    """Copy a bootstrapped drafter into the repo's shipped form: fp16 weights, head, model card."""
+    from adaflash.training.bootstrap import release
+
+    tgt, _ = _load(target, None)
+    path = release(src, out, tgt)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    console.print(f"released {src} -> {path} ({size / 1e6:.1f} MB)")
 
 
 @drafter_app.command("info")

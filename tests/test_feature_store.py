@@ -33,7 +33,8 @@ def test_captured_features_equal_a_separate_pass_and_builds_are_incremental(tiny
         a, b = fresh[i], by_id[fresh[i].id]
         assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
         L = a.tokens.numel()  # the last position is never fed while generating (nor ever read)
-        torch.testing.assert_close(a.features[: L - 1].float(), b.features[: L - 1].float(), rtol=2e-3, atol=2e-3)
+        fa, fb = a.features[: L - 1].float(), b.features[: L - 1].float()
+        torch.testing.assert_close(fa, fb, rtol=2e-3, atol=2e-3)
     # A second build over more responses stores only the new ones; the view keeps the order.
     more = ensure_responses(tiny32, _prompts(14), tmp_path / "r.jsonl", 24, batch_size=4)
     seen.clear()

@@ -1,15 +1,28 @@
 """Stateful traffic filters: per-tenant floods and near-duplicate prompt floods (poisoning).
 
-Both work on event time (`created_at`) over a sliding window, so a replay after a crash judges
-records the way the first pass did; the service rebuilds their windows from the lineage store on
-start. The first `max_*` records of a burst pass; the excess is quarantined.
+Both count by event time (`created_at`), whatever the arrival order across partitions (issue 13).
+The rule is a function of the set of events, not of their order: a record is over the limit when
+at least `max` earlier events (by (event time, record id)) of its tenant / similar prompts lie
+within the window before it. Consumed in event-time order, exactly those records are flagged.
+Out of order, a late event can push records that were already passed over the limit; they
+cannot be recalled, so the filter owes one flag per such record and pays it on the next events of
+the same tenant / similar prompts. The number flagged is therefore the same in any order (up to
+a debt left when no related event follows), and traffic that never exceeds the limit is never
+flagged, in any order. Events are kept for the window plus `max_lateness_s` behind the newest
+event seen, so a partition that lags that far still meets its predecessors from the others (a
+consumer may drain one partition before it starts the next; which partitions exist is not known
+here, so no safe watermark can be taken from the ones seen). An event later than that is judged
+against what is left: it can only be under-counted, never flagged for records it did not meet.
+The service rebuilds the windows from the lineage store on start (replayed in event-time order),
+so a restart does not reset them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections import defaultdict, deque
+from bisect import bisect_left, bisect_right, insort
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -46,46 +59,136 @@ class FilterConfig:
     dup_min_jaccard: float = (
         0.5  # estimated from 64 MinHashes; 16 LSH bands of 4 find J=0.75 pairs w.p. 99.8%
     )
+    max_lateness_s: float = 7200.0  # how far behind the newest event an event may arrive and count
 
 
 class FloodFilter:
+    """Per-tenant request rate by event time (see the module docstring for the rule)."""
+
     def __init__(self, cfg: FilterConfig) -> None:
         self.cfg = cfg
-        self._seen: dict[str, deque[float]] = defaultdict(deque)
+        self._events: dict[str, list[tuple[float, str]]] = defaultdict(list)  # sorted (ts, tie)
+        self._debt: Counter = Counter()
+        self._newest = float("-inf")
+        self._n = 0
 
-    def observe(self, tenant: str, ts: float) -> bool:
-        """Record one request; True when it exceeds the tenant's rate."""
-        q = self._seen[tenant]
-        while q and q[0] <= ts - self.cfg.flood_window_s:
-            q.popleft()
-        q.append(ts)
-        return len(q) > self.cfg.flood_max_per_window
+    def _count_before(self, ev: list[tuple[float, str]], key: tuple[float, str]) -> int:
+        """Events strictly before `key` and inside its window (ts' > ts - W)."""
+        lo = bisect_right(ev, (key[0] - self.cfg.flood_window_s, "\uffff"))
+        return bisect_left(ev, key) - lo
+
+    def observe(self, tenant: str, ts: float, tie: str = "") -> bool:
+        """Record one request; True when it is over the tenant's rate."""
+        ev = self._events[tenant]
+        key = (ts, tie)
+        limit, w = self.cfg.flood_max_per_window, self.cfg.flood_window_s
+        own = self._count_before(ev, key) >= limit
+        # Later events inside the window each gain one predecessor; those reaching the limit now
+        # should have been flagged: a debt this and the next events of the tenant pay.
+        i = bisect_right(ev, key)
+        while i < len(ev) and ev[i][0] < ts + w:
+            if self._count_before(ev, ev[i]) == limit - 1:
+                self._debt[tenant] += 1
+            i += 1
+        insort(ev, key)
+        flagged = own or self._debt[tenant] > 0
+        if flagged and not own:
+            self._debt[tenant] -= 1
+        self._newest = max(self._newest, ts)
+        self._n += 1
+        if self._n % 512 == 0:
+            self._prune()
+        return flagged
+
+    def _prune(self) -> None:
+        horizon = self._newest - self.cfg.flood_window_s - self.cfg.max_lateness_s
+        for tenant in list(self._events):
+            ev = self._events[tenant]
+            del ev[: bisect_left(ev, (horizon, ""))]
+            if not ev:
+                del self._events[tenant]
+                self._debt.pop(tenant, None)
+
+
+@dataclass
+class _Sig:
+    ts: float
+    tie: str
+    sig: np.ndarray  # uint32[64]: ~4x smaller than a tuple of ints (windows hold hours of events)
+    count: int  # similar events before it inside its window
+    owed: bool = False  # reached the limit after it was passed: a similar later event pays for it
 
 
 class NearDuplicateFilter:
+    """Similar prompts (MinHash + LSH) per event-time window (see the module docstring).
+
+    Similarity is not transitive, so the debt is kept on the events that went over the limit
+    after they had passed, and only a prompt similar to one of them (within its window) pays it:
+    an unrelated prompt is never flagged for another campaign.
+    """
+
     BANDS, ROWS = 16, 4
 
     def __init__(self, cfg: FilterConfig) -> None:
         self.cfg = cfg
-        self._bands: list[dict[tuple[int, ...], deque]] = [defaultdict(deque) for _ in range(self.BANDS)]
+        self._bands: list[dict[tuple[int, ...], list[int]]] = [defaultdict(list) for _ in range(self.BANDS)]
+        self._events: dict[int, _Sig] = {}
         self._seq = 0
+        self._newest = float("-inf")
 
-    def observe(self, sig: tuple[int, ...], ts: float) -> bool:
-        """Record one prompt signature; True when too many similar prompts arrived within the window."""
-        similar: set[int] = set()
+    def observe(self, sig: tuple[int, ...], ts: float, tie: str = "") -> bool:
+        """Record one prompt signature; True when too many similar prompts precede it in the window."""
+        w, limit = self.cfg.dup_window_s, self.cfg.dup_max_similar
         need = self.cfg.dup_min_jaccard * len(sig)
+        arr = np.asarray(sig, dtype=np.uint32)
         keys = [sig[b * self.ROWS : (b + 1) * self.ROWS] for b in range(self.BANDS)]
+        candidates: set[int] = set()
         for band, key in zip(self._bands, keys, strict=True):
-            q = band[key]
-            while q and q[0][0] <= ts - self.cfg.dup_window_s:
-                q.popleft()
-            for _when, other, seq in q:
-                if seq not in similar and sum(x == y for x, y in zip(sig, other, strict=True)) >= need:
-                    similar.add(seq)
+            candidates.update(band.get(key, ()))
+        me = (ts, tie)
+        count = 0
+        owed: list[_Sig] = []
+        for seq in sorted(candidates):
+            o = self._events.get(seq)
+            if o is None or abs(o.ts - ts) >= w:
+                continue
+            if np.count_nonzero(arr == o.sig) < need:
+                continue
+            if (o.ts, o.tie) < me:
+                count += 1
+            else:  # a later similar prompt gains a predecessor
+                o.count += 1
+                if o.count == limit:
+                    o.owed = True
+            if o.owed:
+                owed.append(o)
+        flagged = count >= limit
+        if not flagged and owed:
+            owed[0].owed = False  # this prompt takes the flag the passed one should have had
+            flagged = True
         self._seq += 1
+        self._events[self._seq] = _Sig(ts, tie, arr, count)
         for band, key in zip(self._bands, keys, strict=True):
-            band[key].append((ts, sig, self._seq))
-        return len(similar) >= self.cfg.dup_max_similar
+            band[key].append(self._seq)
+        self._newest = max(self._newest, ts)
+        if self._seq % 512 == 0:
+            self._prune()
+        return flagged
+
+    def _prune(self) -> None:
+        horizon = self._newest - self.cfg.dup_window_s - self.cfg.max_lateness_s
+        gone = {k for k, e in self._events.items() if e.ts < horizon}
+        if not gone:
+            return
+        for k in gone:
+            del self._events[k]
+        for band in self._bands:
+            for key in list(band):
+                kept = [s for s in band[key] if s not in gone]
+                if kept:
+                    band[key] = kept
+                else:
+                    del band[key]
 
 
 def epoch(dt: datetime) -> float:

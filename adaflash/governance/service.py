@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -41,7 +42,8 @@ from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.checks import Limits, RecordValidator
 from adaflash.governance.filters import FilterConfig, FloodFilter, NearDuplicateFilter, minhash
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow
-from adaflash.governance.pii import PiiScrubber
+from adaflash.governance.pii import PiiScrubber, replaced_spans
+from adaflash.governance.quarantine import audit_quarantine
 from adaflash.governance.retokenize import scrub_token_ids
 from adaflash.models.targets import Vocabulary
 
@@ -81,6 +83,10 @@ class GovernanceConfig:
     poll_timeout_ms: int = 1000
     limits: Limits = Limits()
     filters: FilterConfig = FilterConfig()
+    # Poison-pill caps, checked before anything parses or scrubs a payload: a bigger or deeper
+    # one is quarantined unread. 512 KiB keeps every text below spaCy's 1M-character limit.
+    max_payload_bytes: int = 512 * 1024
+    max_json_depth: int = 32
 
     @property
     def buffer_dir(self) -> Path:
@@ -116,9 +122,10 @@ class Governor:
         latest = self.lineage.latest_event_time()
         if latest is None:
             return
-        horizon = latest - max(self.cfg.filters.flood_window_s, self.cfg.filters.dup_window_s)
+        f = self.cfg.filters  # late events still count against a window: keep the lateness too
+        horizon = latest - max(f.flood_window_s, f.dup_window_s) - f.max_lateness_s
         for tenant, ts, h in self.lineage.recent(horizon):
-            if tenant is not None and ts >= latest - self.cfg.filters.flood_window_s:
+            if tenant is not None and ts >= latest - f.flood_window_s - f.max_lateness_s:
                 self.flood.observe(tenant, ts)
             if h is not None:
                 self.dups.observe(h, ts)
@@ -135,14 +142,19 @@ class Governor:
         parsed: list[tuple[Message, FeedbackRecord]] = []
         failed: list[tuple[Message, str, str]] = []  # message, reason code, detail
         ids_in_batch: set[str] = set()
-        candidate_ids = [_message_id(m) for m in messages]
+        unread: list[tuple[Message, str, str]] = []  # over a cap: quarantined without parsing
+        caps = [_over_caps(m.value, self.cfg) for m in messages]
+        candidate_ids = [_message_id(m, peek=cap is None) for m, cap in zip(messages, caps, strict=True)]
         known = self.lineage.known([i for i in candidate_ids if i])
-        for m, rid in zip(messages, candidate_ids, strict=True):
+        for m, rid, cap in zip(messages, candidate_ids, caps, strict=True):
             if rid and (rid in known or rid in ids_in_batch):
                 out.n_duplicate += 1
                 continue
             if rid:
                 ids_in_batch.add(rid)
+            if cap is not None:
+                unread.append((m, *cap))
+                continue
             try:
                 parsed.append((m, parse_record(m.value)))
             except SchemaError as exc:
@@ -150,25 +162,41 @@ class Governor:
         out.timings["parse"] += time.perf_counter() - t
 
         t = time.perf_counter()
-        gx_reasons = self.validator.reasons([r for _, r in parsed])
+        gx_reasons = self._check_isolated(parsed, failed)
         out.timings["validate (GX)"] += time.perf_counter() - t
 
         t = time.perf_counter()
         texts = [x for _, r in parsed for x in (r.prompt_text, r.output_text)]
         raw_texts = _strings_of_failed(failed)
-        scrubbed = self.scrubber.scrub(texts + [s for _, strings in raw_texts for s in strings])
+        # Texts of one record share its surrogates (the same fake name in prompt and output).
+        groups = [i // 2 for i in range(len(texts))]
+        groups += [("raw", j) for j, (_, strings) in enumerate(raw_texts) for _ in strings]
+        scrubbed = self._scrub_isolated(
+            texts + [s for _, strings in raw_texts for s in strings], groups=groups
+        )
         out.timings["PII scrub (Presidio)"] += time.perf_counter() - t
 
         t = time.perf_counter()
         governed_at = datetime.now(UTC)
         for i, (m, rec) in enumerate(parsed):
             sp, so = scrubbed[2 * i], scrubbed[2 * i + 1]
+            if sp is None or so is None or rec.record_id in gx_reasons.get(_FAILED, ()):
+                why = (
+                    ("scrub_failed", "PII scrubbing raised")
+                    if sp is None or so is None
+                    else ("check_failed", "validation raised")
+                )
+                self._quarantine_unkept(out, m, rec.record_id, rec.tenant_id, *why, governed_at)
+                continue
             reasons = [QuarantineReason(code=c, detail=d) for c, d in gx_reasons.get(rec.record_id, [])]
             if not _tenant_path_ok(rec.tenant_id):
                 reasons.append(QuarantineReason(code="values", detail="tenant_id: 1-64 of [A-Za-z0-9._-]"))
+            if sp.unsure or so.unsure:  # the second PII layer could not decide: keep no text
+                doubt = "; ".join(sorted({*sp.unsure, *so.unsure}))
+                reasons.append(QuarantineReason(code="pii_unsure", detail=doubt))
             ts = rec.created_at.timestamp()
-            h = minhash(sp.text)
-            if self.flood.observe(rec.tenant_id, ts):
+            h = minhash(sp.masked)  # surrogates differ per record; placeholders do not
+            if self.flood.observe(rec.tenant_id, ts, rec.record_id):
                 reasons.append(
                     QuarantineReason(
                         code="flood",
@@ -176,7 +204,7 @@ class Governor:
                         f"requests per {self.cfg.filters.flood_window_s:.0f}s",
                     )
                 )
-            if self.dups.observe(h, ts):
+            if self.dups.observe(h, ts, rec.record_id):
                 reasons.append(
                     QuarantineReason(
                         code="near_duplicate",
@@ -192,21 +220,28 @@ class Governor:
                 governed_at=governed_at,
                 pii_entities=dict(pii),
                 scrubbed=bool(pii),
+                replaced=replaced_spans(sp, "prompt") + replaced_spans(so, "output"),
             )
-            clean_rec = self._scrubbed_record(
-                rec, sp, so, keep_tokens=not any(r.code in ("inconsistent", "vocab") for r in reasons)
-            )
+            try:
+                clean_rec = self._scrubbed_record(
+                    rec, sp, so, keep_tokens=not any(r.code in ("inconsistent", "vocab") for r in reasons)
+                )
+            except Exception as exc:  # noqa: BLE001 - one record's re-tokenisation, not the batch's
+                log.warning("re-tokenising record %s failed: %r", rec.record_id, exc)
+                self._quarantine_unkept(
+                    out, m, rec.record_id, rec.tenant_id, "retokenize", type(exc).__name__, governed_at
+                )
+                continue
             row = RecordRow(
                 rec.record_id, rec.tenant_id, "clean", [], None, m.topic, m.partition, m.offset, ts, h
             )
             if reasons:
                 row.status, row.reasons = "quarantined", [(r.code, r.detail) for r in reasons]
                 out.reasons.update({r.code for r in reasons})
-                # An opted-out tenant's text is not kept anywhere, not even scrubbed.
-                keep = None if any(r.code == "consent" for r in reasons) else clean_rec
-                out.quarantined.append(
-                    QuarantineRecord(record_id=rec.record_id, reasons=reasons, provenance=prov, record=keep)
-                )
+                # An opted-out tenant's text is not kept anywhere, not even scrubbed; nor is a
+                # text the second PII layer was unsure about.
+                keep = not any(r.code in ("consent", "pii_unsure") for r in reasons)
+                out.quarantined.append(audit_quarantine(rec, reasons, prov, clean_rec if keep else None))
             else:
                 out.clean.append(CleanRecord(record=clean_rec, provenance=prov))
             out.rows.append(row)
@@ -214,10 +249,14 @@ class Governor:
         pos = 2 * len(parsed)
         for (m, code, detail), (raw, strings) in zip(failed, raw_texts, strict=True):
             n = len(strings)
-            scrubbed_raw = _rebuild(raw, [s.text for s in scrubbed[pos : pos + n]])
-            for s in scrubbed[pos : pos + n]:
-                out.pii.update(s.counts)
+            done = scrubbed[pos : pos + n]
             pos += n
+            if any(s is None or s.unsure for s in done):  # cannot store its text scrubbed: keep none
+                self._quarantine_unkept(out, m, _message_id(m), None, code, detail, governed_at)
+                continue
+            scrubbed_raw = _rebuild(raw, [s.text for s in done])
+            for s in done:
+                out.pii.update(s.counts)
             rid = _message_id(m)
             prov = Provenance(topic=m.topic, partition=m.partition, offset=m.offset, governed_at=governed_at)
             out.quarantined.append(
@@ -244,10 +283,66 @@ class Governor:
                     None,
                 )
             )
+        for m, code, detail in unread:
+            self._quarantine_unkept(out, m, _message_id(m, peek=False), None, code, detail, governed_at)
         out.timings["retokenise + filters"] += time.perf_counter() - t
         if out.n_in != len(out.clean) + len(out.quarantined) + out.n_duplicate:
             raise AssertionError("governance lost or invented records: conservation check failed")
         return out
+
+    # -- per-record failure isolation ------------------------------------------------------------------
+    def _check_isolated(self, parsed: list[tuple[Message, FeedbackRecord]], failed) -> dict:
+        """GX reasons by record id; if the suite raises on the batch, each record is checked alone
+        and those that still raise are listed under `_FAILED` (quarantined as `check_failed`)."""
+        records = [r for _, r in parsed]
+        try:
+            return self.validator.reasons(records)
+        except Exception as exc:  # noqa: BLE001 - find the record(s) that make it raise
+            log.warning(
+                "validation of a batch of %d raised %r: checking records one by one", len(records), exc
+            )
+        out: dict = {_FAILED: set()}
+        for r in records:
+            try:
+                out.update(self.validator.reasons([r]))
+            except Exception:  # noqa: BLE001
+                out[_FAILED].add(r.record_id)
+        return out
+
+    def _scrub_isolated(self, texts: list[str], **kw) -> list:
+        """Scrub results, None for a text the scrubber raised on (retried one by one)."""
+        try:
+            return self.scrubber.scrub(texts, **kw)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("scrubbing %d texts raised %r: scrubbing them one by one", len(texts), exc)
+        out = []
+        for text in texts:
+            try:
+                out.append(self.scrubber.scrub([text])[0])
+            except Exception:  # noqa: BLE001
+                out.append(None)
+        return out
+
+    def _quarantine_unkept(
+        self, out: BatchOutcome, m: Message, rid: str | None, tenant: str | None, code: str, detail: str, at
+    ) -> None:
+        """Quarantine a message whose content cannot be stored safely (not read, not scrubbed):
+        only its reason and the hash of its bytes are kept."""
+        prov = Provenance(topic=m.topic, partition=m.partition, offset=m.offset, governed_at=at)
+        out.quarantined.append(
+            QuarantineRecord(
+                record_id=rid,
+                reasons=[QuarantineReason(code=code, detail=detail)],
+                provenance=prov,
+                raw_sha256=hashlib.sha256(m.value).hexdigest(),
+            )
+        )
+        out.reasons[code] += 1
+        out.rows.append(
+            RecordRow(
+                rid, tenant, "quarantined", [(code, detail)], None, m.topic, m.partition, m.offset, None, None
+            )
+        )
 
     def _scrubbed_record(self, rec: FeedbackRecord, sp, so, keep_tokens: bool) -> FeedbackRecord:
         """The record with PII spans replaced in text and token ids; rounds re-mapped or dropped."""
@@ -405,20 +500,52 @@ class GovernanceService:
         self.governor.lineage.close()
 
 
+# -- poison-pill caps -----------------------------------------------------------------------------------
+_FAILED = "\x00failed"  # key of _check_isolated's set of records the suite raised on
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def json_depth_exceeds(value: bytes, cap: int) -> bool:
+    """Whether JSON nesting goes deeper than `cap`, without parsing (brackets inside strings do
+    not count). Only payloads with more than `cap` brackets are scanned at all."""
+    if value.count(b"[") + value.count(b"{") <= cap:
+        return False
+    depth = 0
+    for m in _BRACKET.finditer(_JSON_STRING.sub(b'""', value)):
+        if m.group() in (b"[", b"{"):
+            depth += 1
+            if depth > cap:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _over_caps(value: bytes, cfg: GovernanceConfig) -> tuple[str, str] | None:
+    """(reason code, detail) for a payload too big or too deep to read, else None."""
+    if len(value) > cfg.max_payload_bytes:
+        return "too_large", f"{len(value)} bytes > the {cfg.max_payload_bytes}-byte cap"
+    if json_depth_exceeds(value, cfg.max_json_depth):
+        return "too_deep", f"JSON nested deeper than {cfg.max_json_depth} levels"
+    return None
+
+
 # -- helpers for payloads that did not parse ---------------------------------------------------------
 def _peek_id(value: bytes) -> str | None:
     try:
         data = json.loads(value)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
     rid = data.get("record_id") if isinstance(data, dict) else None
     return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else None
 
 
-def _message_id(m: Message) -> str:
+def _message_id(m: Message, peek: bool = True) -> str:
     """The record id, or for a payload without one an id of this message: identical garbage sent
-    twice is two messages, each quarantined; the same message redelivered is a duplicate."""
-    rid = _peek_id(m.value)
+    twice is two messages, each quarantined; the same message redelivered is a duplicate. A
+    payload over the caps is not peeked into (`peek=False`): it gets the message id."""
+    rid = _peek_id(m.value) if peek else None
     if rid:
         return rid
     digest = hashlib.sha256(m.value).hexdigest()[:24]
@@ -429,7 +556,7 @@ def _schema_code(value: bytes) -> str:
     """`missing_fields` for a current-version object lacking required fields, else `schema`."""
     try:
         data = json.loads(value)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return "schema"
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         return "schema"
@@ -443,7 +570,7 @@ def _strings_of_failed(failed: list[tuple[Message, str, str]]) -> list[tuple[Any
     for m, _, _ in failed:
         try:
             data: Any = json.loads(m.value)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             data = m.value.decode("utf-8", errors="replace")
         if isinstance(data, dict):  # token ids encode the same text: they cannot be kept unscrubbed
             data = {k: v for k, v in data.items() if not k.endswith("token_ids")}

@@ -6,7 +6,7 @@ no handler ever blocks the event loop and the step loop never waits for a client
 
 Endpoints: `/v1/completions`, `/v1/chat/completions` (SSE streaming and plain JSON), `/v1/models`,
 `/health`, `/metrics` (Prometheus), `POST /admin/drafter/reload` (bearer token).
-Extensions beyond the OpenAI schema: request field `method` (ar | dflash | adaflash, default the
+Extensions beyond the OpenAI schema: request field `method` (ar | ngram | dflash | adaflash, default the
 server's), response `choices[].token_ids` and an `adaflash` object (τ, mean k̂, drafter version).
 Tenant: header `X-Tenant-Id`, else the OpenAI `user` field. Feedback consent: header
 `X-Feedback-Consent: false` opts the request out of training (the record still flows, flagged,

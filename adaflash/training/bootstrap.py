@@ -50,10 +50,11 @@ METRICS = "bootstrap_metrics.json"
 
 @dataclass
 class BootstrapConfig:
-    steps: int = 3000
+    # Defaults = the recipe chosen by measurement on 2 CPU cores (BENCHMARKS.md, issue 12).
+    steps: int = 2200
     budget_minutes: float | None = None  # optional cap on the whole run
-    num_layers: int = 3
-    block_size: int = 16
+    num_layers: int = 2
+    block_size: int = 8
     num_feature_layers: int = 5
     init_from_target: bool = False
     # Fold a per-dimension standardisation of the target features into `fc`'s initial weights:
@@ -62,14 +63,14 @@ class BootstrapConfig:
     standardize_fc: bool = True
     kl_weight: float = 0.0  # > 0: CE + top-k forward KL from the store's teacher log-probs
     teacher_topk: int = 0
-    position_decay: float | None = 7.0
-    lr: float = 6e-4
+    position_decay: float | None = 4.0  # DFlash's γ for block 8
+    lr: float = 3e-3
     warmup_frac: float = 0.04
     lr_floor: float = 0.1
     head_lr: float = 2e-3
     head_steps: int = 150
-    anchors_per_seq: int = 64
-    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    seqs_per_step: int = 8
     vocab_cut: bool = True
     vocab_negatives: int = 4096  # random out-of-cut ids added to each step's softmax
     bf16: bool = False
