@@ -40,8 +40,9 @@ lint: setup
 
 # Reproduces the shipped drafter's recipe (drafters/smollm2/README.md has the exact command and
 # wall time). Responses come from the committed corpus (data/responses/); features are stored
-# once in .cache/; rerun to resume. `adaflash drafter release .cache/bootstrap/smollm2` ships it.
-BOOTSTRAP_ARGS ?=
+# once in .cache/; rerun to resume. Drop --no-generate to grow the corpus first (slow on 2 cores:
+# ~70-100 generated tok/s). `adaflash drafter release .cache/bootstrap/smollm2` ships the result.
+BOOTSTRAP_ARGS ?= --no-generate
 bootstrap: setup
 	$(VENV)/bin/adaflash drafter bootstrap --target smollm2 --out .cache/bootstrap/smollm2 $(BOOTSTRAP_ARGS)
 
