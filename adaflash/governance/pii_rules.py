@@ -592,6 +592,15 @@ def _is_word(tok: str, words: frozenset[str]) -> bool:
     return w in words or (w.endswith("s") and w[:-1] in words) or (w.endswith("ing") and w[:-3] in words)
 
 
+# Common given names and surnames that are also English words. They never count as a name alone,
+# but in a run of capitalised words they score like a known name that is a word ("Mark King",
+# "Carol White": both parts words, both parts names), so such pairs are masked.
+AMBIGUOUS_NAMES = frozenset(
+    {"Mark", "Carol", "Will", "Young", "Green", "White", "Black", "Brown", "Grey", "Gray", "Rose", "Hope",
+     "Faith", "Joy", "Dawn", "King", "Hall", "Lane", "Summer", "Prince", "Duke", "Earl"}
+)  # fmt: skip
+
+
 def name_score(tokens: list[str]) -> float:
     """Sum of per-token 'nameness'; 0 when some token can't be part of a name."""
     first, last = name_lexicon()
@@ -599,6 +608,9 @@ def name_score(tokens: list[str]) -> float:
     total = 0.0
     for t in tokens:
         if t.lower() in _PARTICLES:
+            continue
+        if t in AMBIGUOUS_NAMES and len(tokens) > 1:
+            total += 0.6
             continue
         if t in _NEVER_NAMES or t.isupper() and len(t) > 1:
             return 0.0
