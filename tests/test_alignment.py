@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-import adaflash.training.offline as offline
+import adaflash.training.blocks as blocks
 from adaflash.models.factory import new_drafter
 from adaflash.training.blocks import SequencePass
 from adaflash.training.evaluate import evaluate_acceptance
@@ -78,13 +78,13 @@ def test_drafter_learns_to_copy_and_matches_ngram(tiny32, tmp_path):
 
 
 def test_shifted_labels_fail_the_bar(tiny32, tmp_path, monkeypatch):
-    real = offline.block_inputs
+    real = blocks.block_inputs
 
     def shifted(tokens, anchors, k, mask_token_id):
         block, positions, labels = real(tokens, anchors, k, mask_token_id)
         return block, positions, torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -1)], 1)
 
-    monkeypatch.setattr(offline, "block_inputs", shifted)
+    monkeypatch.setattr(blocks, "block_inputs", shifted)
     row = _train_and_evaluate(tiny32, tmp_path, steps=300)
     assert row["accept_rate_by_position"][0] < 0.5, row
 

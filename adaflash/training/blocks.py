@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from adaflash.models.drafter import Drafter
 from adaflash.models.generate import pad_batch
 from adaflash.models.transformer import TargetModel
+from adaflash.training.feature_store import StoredSequence
 
 
 @dataclass
@@ -68,10 +69,11 @@ def block_inputs(
 def block_hidden(
     drafter: Drafter,
     target: TargetModel,
-    seq: SequencePass,
+    seq: SequencePass | StoredSequence,
     anchors: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drafter hidden states [A, k, H] for blocks at `anchors` of one sequence (with grad)."""
+    """Drafter hidden states [A, k, H] for blocks at `anchors` of one sequence (with grad): a
+    live target pass or a feature-store sequence (only `tokens` and `features` are read)."""
     k = drafter.block_size
     block, positions, labels = block_inputs(seq.tokens, anchors, k, drafter.config.mask_token_id)
     span = int(anchors.max())

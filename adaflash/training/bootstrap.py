@@ -35,12 +35,12 @@ from adaflash.models.length_head import LengthHead, acceptance_label
 from adaflash.models.targets import Target
 from adaflash.reporting import plot_tau_vs_budget
 from adaflash.training import model_card
-from adaflash.training.blocks import SequencePass
+from adaflash.training.blocks import SequencePass, block_hidden
 from adaflash.training.corpus import corpus_path, seed_cache
 from adaflash.training.evaluate import evaluate_acceptance
 from adaflash.training.feature_store import FeatureStore, StoredSequence, build_store
 from adaflash.training.losses import position_weights
-from adaflash.training.offline import VocabCut, lr_at, stored_block_hidden, stored_block_loss
+from adaflash.training.offline import VocabCut, lr_at, stored_block_loss
 from adaflash.training.responses import Response, ensure_responses, responses_path
 from adaflash.workloads import interleave, load_prompts
 
@@ -299,7 +299,7 @@ class BootstrapTrainer:
         hidden_all, acc_all = [], []
         with torch.no_grad():
             for seq, anchors in self._sample(store, self.state.head_step, salt=1):
-                hidden, labels = stored_block_hidden(self.drafter, self.target.model, seq, anchors)
+                hidden, labels, _ = block_hidden(self.drafter, self.target.model, seq, anchors)
                 acc = torch.zeros(anchors.numel(), dtype=torch.long)
                 still = torch.ones(anchors.numel(), dtype=torch.bool)
                 for i in range(1, k):  # progressive full-vocabulary argmax, as in decoding

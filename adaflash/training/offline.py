@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from adaflash.models.drafter import Drafter
 from adaflash.models.transformer import TargetModel
-from adaflash.training.blocks import block_inputs
+from adaflash.training.blocks import block_hidden
 from adaflash.training.feature_store import StoredSequence
 
 
@@ -81,23 +81,6 @@ class StepOut:
     rows_at: torch.Tensor  # [k-1] supervised rows per position
 
 
-def stored_block_hidden(
-    drafter: Drafter, target: TargetModel, seq: StoredSequence, anchors: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafter hidden states [A, k, H] of the blocks at `anchors` and their labels [A, k-1]."""
-    k = drafter.block_size
-    block, positions, labels = block_inputs(seq.tokens, anchors, k, drafter.config.mask_token_id)
-    span = int(anchors.max())
-    ctx_pos = torch.arange(span)[None, :]
-    dtype = drafter.fc.weight.dtype
-    kv = drafter.context_kv(seq.features[None, :span].to(dtype), ctx_pos)
-    A = anchors.numel()
-    kv = [(kk.expand(A, -1, -1, -1), vv.expand(A, -1, -1, -1)) for kk, vv in kv]
-    visible = (ctx_pos < anchors[:, None])[:, None, :].expand(A, k, span)
-    hidden = drafter(target.embed(block).to(dtype), positions, kv, visible)
-    return hidden, labels
-
-
 def stored_block_loss(
     drafter: Drafter,
     target: TargetModel,
@@ -113,7 +96,7 @@ def stored_block_loss(
     loss). With `kl_weight` > 0 the store's teacher top-k log-probs add a forward-KL term on the
     teacher's top-k ids (renormalised), restricted to ids inside the training vocabulary.
     """
-    hidden, labels = stored_block_hidden(drafter, target, seq, anchors)
+    hidden, labels, _ = block_hidden(drafter, target, seq, anchors)
     k = drafter.block_size
     full = labels >= 0
     rows = hidden[:, 1:][full]
