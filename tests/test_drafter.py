@@ -108,3 +108,38 @@ def test_rejects_mismatched_or_corrupt_checkpoints(tmp_path, tiny32):
     (d / "adaflash.json").unlink()
     with pytest.raises(CheckpointError, match="missing adaflash.json"):
         load_drafter(d)
+
+
+def test_draft_vocabulary_round_trips_and_limits_proposals_losslessly(tmp_path, tiny64):
+    from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+
+    b = make_bundle(tiny64, block_size=4, seed=3)
+    vocab = torch.arange(0, tiny64.config.vocab_size, 3)  # every third token may be proposed
+    d = save_drafter(tmp_path / "d", b.drafter, b.length_head, b.meta, draft_vocab=vocab)
+    loaded = load_drafter(d, dtype=tiny64.model.dtype)
+    assert torch.equal(loaded.draft_vocab, vocab)
+    prompts = [[256, *f"v{i}: {'ab' * i}".encode()] for i in range(6)]
+    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(prompts, DecodeConfig("ar", 24))]
+    for temperature in (0.0, 0.8):
+        engine = Engine(tiny64, loaded, EngineConfig(method="dflash", max_running=4), "v1")
+        plans = []
+
+        def spy(*args, plan=engine.proposer.plan, plans=plans):
+            plans.append(plan(*args))
+            return plans[-1]
+
+        engine.proposer.plan = spy
+        params = GenParams(max_tokens=24, temperature=temperature, seed=1)
+        reqs = [engine.submit(Request(p, params)) for p in prompts]
+        engine.run_until_idle()
+        drafted = torch.cat([p.drafts for p in plans])
+        assert drafted.numel() > 50 and bool(torch.isin(drafted, vocab).all())
+        if temperature == 0:
+            assert [r.output_ids for r in reqs] == ref
+    (d / "draft_vocab.json").write_text(json.dumps({"token_ids": [5, 3]}))
+    with pytest.raises(CheckpointError, match="sorted, distinct"):
+        load_drafter(d)
+    (d / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, tiny64.config.vocab_size]}))
+    with pytest.raises(CheckpointError, match="sorted, distinct"):
+        load_drafter(d)

@@ -16,7 +16,14 @@ from adaflash.serving.reload import DrafterReloader
 from adaflash.serving.scheduler import QueueFull
 from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
 from tests.conftest import make_bundle
-from tests.test_speculative import _chi2_pvalue, _exact_law, _flat_drafter, _tiny_vocab_target, quick_train
+from tests.test_speculative import (
+    _chi2_pvalue,
+    _exact_law,
+    _flat_drafter,
+    _tiny_vocab_target,
+    engine_sample_counts,
+    quick_train,
+)
 
 PROMPTS = [[256, *f"q{i}: {'ab' * (i % 5)} {i * 7}?".encode()] for i in range(24)]
 
@@ -107,19 +114,8 @@ def test_mixed_methods_share_steps(tiny64, trained, ar_ref):
 def test_sampling_matches_target_distribution():
     target = _tiny_vocab_target()
     bundle = _flat_drafter(target)
-    prompt, n, temperature, samples = [0, 1, 2], 3, 1.0, 6000
-    engine = Engine(
-        target, bundle, EngineConfig(method="dflash", max_running=64, max_queue=samples, max_model_len=16)
-    )
-    reqs = [
-        engine.submit(Request(prompt, GenParams(max_tokens=n, temperature=temperature, seed=i)))
-        for i in range(samples)
-    ]
-    engine.run_until_idle()
-    counts = torch.zeros((4,) * n, dtype=torch.float64)
-    for r in reqs:
-        counts[tuple(r.output_ids)] += 1
-    rounds = [rd for r in reqs for rd in r.rounds]
+    prompt, n, temperature = [0, 1, 2], 3, 1.0
+    counts, rounds, reqs = engine_sample_counts(target, bundle, "dflash", prompt, n, temperature, 6000)
     assert (
         sum(rd.accepted for rd in rounds) > 500
         and sum(rd.verify_len - 1 - rd.accepted for rd in rounds) > 500

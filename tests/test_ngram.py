@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
-from tests.test_speculative import _chi2_pvalue, _exact_law, _tiny_vocab_target
+from tests.test_speculative import _chi2_pvalue, _exact_law, _tiny_vocab_target, engine_sample_counts
 
 # Repetitive prompts so that lookup finds matches (and misses) in the prompt and the output.
 PROMPTS = [[256, *f"ab{i % 3}ab{i % 3} {'xyz' * (i % 4)} q{i}: ab".encode()] for i in range(16)]
@@ -26,19 +24,8 @@ def test_ngram_is_token_identical_to_ar_without_a_drafter(tiny64):
 
 def test_ngram_sampling_matches_target_distribution():
     target = _tiny_vocab_target()
-    prompt, n, temperature, samples = [0, 1, 2, 0, 1], 3, 1.0, 6000
-    engine = Engine(
-        target, None, EngineConfig(method="ngram", max_running=64, max_queue=samples, max_model_len=16)
-    )
-    reqs = [
-        engine.submit(Request(prompt, GenParams(max_tokens=n, temperature=temperature, seed=i)))
-        for i in range(samples)
-    ]
-    engine.run_until_idle()
-    counts = torch.zeros((4,) * n, dtype=torch.float64)
-    for r in reqs:
-        counts[tuple(r.output_ids)] += 1
-    rounds = [rd for r in reqs for rd in r.rounds]
+    prompt, n, temperature = [0, 1, 2, 0, 1], 3, 1.0
+    counts, rounds, _ = engine_sample_counts(target, None, "ngram", prompt, n, temperature, 6000)
     assert (
         sum(rd.accepted for rd in rounds) > 300
         and sum(rd.verify_len - 1 - rd.accepted for rd in rounds) > 300

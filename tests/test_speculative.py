@@ -181,6 +181,24 @@ def _sample_counts(target, bundle, prompt, n, temperature, samples=20_000):
     return counts, res
 
 
+def engine_sample_counts(target, bundle, method: str, prompt, n: int, temperature: float, samples: int):
+    """Counts of the n-token outputs of `samples` seeded requests on the serving engine, and the
+    rounds they ran (the engine's sampling-law scaffold, shared by every method's test)."""
+    from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+
+    cfg = EngineConfig(method=method, max_running=64, max_queue=samples, max_model_len=16)
+    engine = Engine(target, bundle, cfg)
+    reqs = [
+        engine.submit(Request(prompt, GenParams(max_tokens=n, temperature=temperature, seed=i)))
+        for i in range(samples)
+    ]
+    engine.run_until_idle()
+    counts = torch.zeros((target.config.vocab_size,) * n, dtype=torch.float64)
+    for r in reqs:
+        counts[tuple(r.output_ids)] += 1
+    return counts, [rd for r in reqs for rd in r.rounds], reqs
+
+
 def _chi2_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     expected = law.flatten() * counts.sum()
     observed = counts.flatten()

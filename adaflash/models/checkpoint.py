@@ -32,6 +32,10 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 HEAD_WEIGHTS = "length_head.safetensors"
 META = "adaflash.json"
+# The token ids the drafter was trained to propose (its training-softmax vocabulary). Serving
+# computes draft logits over these rows of the LM head only; verification is unaffected (lossless
+# for any proposal distribution), so a cut only changes what can be proposed.
+DRAFT_VOCAB = "draft_vocab.json"
 
 
 @dataclass
@@ -52,6 +56,7 @@ class DrafterBundle:
     length_head: LengthHead | None
     meta: DrafterMeta
     path: Path | None = None
+    draft_vocab: torch.Tensor | None = None  # sorted token ids [V'], or None: the whole vocabulary
 
     @property
     def config(self) -> DrafterConfig:
@@ -65,6 +70,7 @@ def save_drafter(
     meta: DrafterMeta,
     weights_dtype: torch.dtype = torch.float32,
     extra_files: dict[str, bytes] | None = None,
+    draft_vocab: torch.Tensor | None = None,
 ) -> Path:
     """Write atomically: a reader never sees a half-written directory. `weights_dtype` float16
     halves the size of a shipped drafter (loading casts back to the serving dtype);
@@ -86,6 +92,9 @@ def save_drafter(
         save_file(head, str(tmp / HEAD_WEIGHTS))
         meta.length_head_inner = length_head.inner_size
     (tmp / META).write_text(json.dumps(meta.__dict__, indent=2))
+    if draft_vocab is not None:
+        ids = sorted({int(t) for t in draft_vocab.tolist()})
+        (tmp / DRAFT_VOCAB).write_text(json.dumps({"token_ids": ids}))
     for name, data in (extra_files or {}).items():
         (tmp / name).write_bytes(data)
     if out.exists():
@@ -176,7 +185,22 @@ def load_drafter(
         except RuntimeError as e:
             raise CheckpointError(f"length head in {d} is malformed: {str(e).splitlines()[0]}") from None
         head.to(dtype).eval().requires_grad_(False)
-    return DrafterBundle(drafter, head, meta, d)
+    return DrafterBundle(drafter, head, meta, d, _read_vocab(d / DRAFT_VOCAB, config.vocab_size))
+
+
+def _read_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+    if not path.exists():
+        return None
+    raw = _read_json(path)
+    ids = raw.get("token_ids") if isinstance(raw, dict) else None
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)
+        or ids != sorted(set(ids))
+    ):
+        raise CheckpointError(f"{path} must hold sorted, distinct token ids in [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def load_drafter_for(path: Path | str, target, dtype: torch.dtype | None = None) -> DrafterBundle:

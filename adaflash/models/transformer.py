@@ -141,6 +141,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._head_t: torch.Tensor | None = None  # lm_head.weight transposed (1-row logits)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,7 +154,21 @@ class TargetModel(nn.Module):
         return self.embed_tokens(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """LM-head logits. For a few rows without autograd, the layout the CPU BLAS reads fastest
+        (measured, SmolLM2's 49k×576 head, 1 thread: 1 row 11.2 → 6.1 ms via a transposed copy,
+        2-4 rows 27 → 10 ms as W·xᵀ, 8-32 rows ~25% faster in 2048-row chunks); it is the widest
+        matmul of a small model and verification reads k rows of it every round."""
+        if hidden.dim() != 2 or (torch.is_grad_enabled() and hidden.requires_grad) or hidden.shape[0] > 64:
+            return self.lm_head(hidden)
+        W = self.lm_head.weight
+        n = hidden.shape[0]
+        if n == 1:
+            if self._head_t is None or self._head_t.dtype != W.dtype:
+                self._head_t = W.detach().t().contiguous()
+            return hidden @ self._head_t
+        if n <= 4:
+            return (W @ hidden.t()).t()
+        return torch.cat([F.linear(hidden, W[i : i + 2048]) for i in range(0, W.shape[0], 2048)], dim=1)
 
     @torch.no_grad()
     def forward(

@@ -114,7 +114,9 @@ def release(src: Path, dst: Path, target: Target) -> Path:
         for name in ("README.md", METRICS, "tau_vs_budget.png")
         if (src / name).exists()
     }
-    return save_drafter(dst, bundle.drafter, bundle.length_head, bundle.meta, torch.float16, extra)
+    return save_drafter(
+        dst, bundle.drafter, bundle.length_head, bundle.meta, torch.float16, extra, bundle.draft_vocab
+    )
 
 
 def _as_pass(seq: StoredSequence) -> SequencePass:
@@ -137,6 +139,7 @@ class BootstrapTrainer:
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.head_lr, weight_decay=0.0)
         self.state = TrainState()
+        self.draft_vocab: torch.Tensor | None = None  # the training vocabulary, saved for serving
         self.weights = position_weights(cfg.block_size, cfg.position_decay)
         self._resume()
 
@@ -186,7 +189,7 @@ class BootstrapTrainer:
             target_vocab_size=self.target.config.vocab_size,
             lineage=lineage,
         )
-        save_drafter(self.out, self.drafter, self.head, meta)
+        save_drafter(self.out, self.drafter, self.head, meta, draft_vocab=self.draft_vocab)
         tmp = self.out / (STATE + ".tmp")
         torch.save(
             {
@@ -425,7 +428,9 @@ class BootstrapTrainer:
         if not self.cfg.vocab_cut:
             return VocabCut.full(V)
         responses = (store[i].tokens[store.entries[i].prompt_len :] for i in range(len(store)))
-        return VocabCut.from_tokens(V, responses, extra=self.target.tokenizer.eos_token_ids)
+        cut = VocabCut.from_tokens(V, responses, extra=self.target.tokenizer.eos_token_ids)
+        self.draft_vocab = cut.ids
+        return cut
 
     @torch.no_grad()
     def _standardize_fc(self, sample: list[StoredSequence]) -> None:

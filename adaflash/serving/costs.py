@@ -1,0 +1,267 @@
+"""The measured cost model and acceptance statistics behind `adaflash-cost`'s choices.
+
+Per step the policy picks, for each request, a proposer (the drafter, n-gram prompt lookup, or
+none: an AR round) and how many drafts to verify, to maximise the expected committed tokens per
+second of the whole step:
+
+    tokens(choice) / [target(rows) + drafter_block(R) + drafter_lm(rows_d) + overhead]
+
+The costs are curves measured on this engine (`CostCurve`: calibrated once, then updated by every
+step); the expected tokens come from acceptance measured online (`AcceptanceStats`: conditional
+acceptance per draft position, per proposer) scaled per request (its own n-gram hit rate, the
+length head's â for the drafter). The ratio objective is maximised by Dinkelbach iterations: with
+λ the best tokens/second so far, each request independently maximises
+`E[tokens] − λ·marginal seconds`; the drafter's fixed cost is charged by comparing the plan with
+and without a drafter forward on exact costs. Losslessness never depends on these choices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PROPOSERS = ("drafter", "ngram")
+
+
+class CostCurve:
+    """Seconds as a function of a size (packed rows, drafted requests): piecewise linear over
+    knots at powers of two, each knot nudged towards every observation by its interpolation
+    weight (an online least-squares step on the interpolated prediction)."""
+
+    def __init__(self, max_size: int = 1024, rate: float = 0.25) -> None:
+        self.knots = [0] + [2**i for i in range(int(math.log2(max_size)) + 1)]
+        self.values: list[float | None] = [None] * len(self.knots)
+        self.values[0] = 0.0
+        self.measured = {0}  # knots set by calibration; the others are interpolated from them
+        self.rate = rate
+
+    def _bracket(self, size: float) -> tuple[int, int, float]:
+        ks = self.knots
+        if size >= ks[-1]:
+            return len(ks) - 2, len(ks) - 1, (size - ks[-2]) / (ks[-1] - ks[-2])
+        hi = next(i for i, k in enumerate(ks) if k >= size)
+        lo = max(hi - 1, 0)
+        w = 0.0 if hi == lo else (size - ks[lo]) / (ks[hi] - ks[lo])
+        return lo, hi, w
+
+    def set(self, size: int, seconds: float) -> None:
+        """A calibration point; knots without one are interpolated from their neighbours."""
+        lo, hi, w = self._bracket(size)
+        j = hi if w > 0.5 else lo
+        self.values[j] = seconds
+        self.measured.add(j)
+        known = [(self.knots[i], self.values[i]) for i in sorted(self.measured)]
+        for i, k in enumerate(self.knots):
+            if i not in self.measured:
+                self.values[i] = _interp(known, k)
+
+    def make_monotone(self) -> None:
+        """Pool adjacent violators: more rows never cost less (calibration noise can say so)."""
+        blocks: list[list[float]] = []  # [sum, count]
+        for v in self.values:
+            blocks.append([v or 0.0, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                s, c = blocks.pop()
+                blocks[-1][0] += s
+                blocks[-1][1] += c
+        self.values = [s / c for s, c in blocks for _ in range(int(c))]
+
+    @property
+    def ready(self) -> bool:
+        return len(self.measured) > 1
+
+    def __call__(self, size: float) -> float:
+        if size <= 0:
+            return 0.0
+        lo, hi, w = self._bracket(size)
+        vl, vh = self.values[lo] or 0.0, self.values[hi] or 0.0
+        return max(vl + w * (vh - vl), 0.0)  # w > 1 extrapolates the last segment
+
+    def observe(self, size: float, seconds: float) -> None:
+        if size <= 0 or not math.isfinite(seconds):
+            return
+        if not self.ready:  # never calibrated (e.g. a drafter installed later): start from this
+            self.set(int(size), seconds)
+            return
+        lo, hi, w = self._bracket(size)
+        err = seconds - self(size)
+        w = min(w, 1.0)
+        self.values[lo] += self.rate * (1 - w) * err if lo else 0.0
+        self.values[hi] += self.rate * w * err
+
+
+def _interp(known: list[tuple[int, float]], x: int) -> float:
+    if x <= known[0][0]:
+        return known[0][1]
+    for (k0, v0), (k1, v1) in zip(known, known[1:], strict=False):
+        if k0 <= x <= k1:
+            return v0 + (v1 - v0) * (x - k0) / (k1 - k0)
+    (k0, v0), (k1, v1) = known[-2:] if len(known) > 1 else ((0, 0.0), known[-1])
+    return v1 + (v1 - v0) * (x - k1) / max(k1 - k0, 1)
+
+
+@dataclass
+class AcceptanceStats:
+    """P(draft position j accepted | positions < j accepted), per position, decayed counts: a
+    truncated verify (k̂ < k) is censored correctly because position j only counts when tried."""
+
+    positions: int
+    prior: float = 0.3
+    prior_weight: float = 2.0
+    decay: float = 0.999
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tried = [0.0] * self.positions
+        self.accepted = [0.0] * self.positions
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for j in range(self.positions):
+            self.tried[j] *= self.decay
+            self.accepted[j] *= self.decay
+        for j in range(min(accepted + 1, drafted, self.positions)):
+            self.tried[j] += 1.0
+            if j < accepted:
+                self.accepted[j] += 1.0
+
+    def conditional(self) -> list[float]:
+        w = self.prior_weight
+        return [
+            (a + self.prior * w) / (t + w) if t + w > 0 else self.prior
+            for a, t in zip(self.accepted, self.tried, strict=True)
+        ]
+
+    def survival(self) -> list[float]:
+        """S_j = P(at least j drafts accepted), j = 1..positions."""
+        out, s = [], 1.0
+        for a in self.conditional():
+            s *= a
+            out.append(s)
+        return out
+
+
+def scaled(survival: Sequence[float], first: float) -> list[float]:
+    """The survival curve with its first position set to `first` (a request's own hit rate, or
+    one derived from â), deeper positions keeping the measured conditionals."""
+    if not survival or survival[0] <= 0:
+        return [0.0] * len(survival)
+    f = max(0.0, min(first, 1.0)) / survival[0]
+    return [min(1.0, s * f) for s in survival]
+
+
+def rescaled(survival: Sequence[float], ratio: float) -> list[float]:
+    """The survival curve scaled so that its expected accepted drafts are `ratio` times the
+    measured ones (clipped at 1 per position). The drafter's per-request signal is â relative to
+    the mean â: a biased head still orders requests, the measured acceptance sets the level."""
+    target = max(0.0, ratio) * sum(survival)
+    if target <= 0 or not survival or survival[0] <= 0:
+        return [0.0] * len(survival)
+    lo, hi = 0.0, max(ratio, 1.0) / survival[-1] if survival[-1] > 0 else 1e6
+    for _ in range(40):  # bisection on the scale: clipping at 1 makes it non-linear
+        mid = (lo + hi) / 2
+        if sum(min(1.0, s * mid) for s in survival) < target:
+            lo = mid
+        else:
+            hi = mid
+    return [min(1.0, s * hi) for s in survival]
+
+
+@dataclass
+class Option:
+    proposer: str  # "none" | "ngram" | "drafter"
+    drafts: int  # drafts to verify (k̂ − 1)
+    expected: float  # expected accepted drafts
+
+
+def best_length(survival: Sequence[float], limit: int, price: float) -> Option:
+    """Drafts m ≤ limit maximising Σ_{j≤m} S_j − price·m (S_j is non-increasing: stop early)."""
+    best_m, best_v, acc = 0, 0.0, 0.0
+    for m in range(1, min(limit, len(survival)) + 1):
+        acc += survival[m - 1]
+        v = acc - price * m
+        if v > best_v:
+            best_m, best_v = m, v
+    return Option("none", best_m, sum(survival[:best_m]))
+
+
+@dataclass
+class Candidate:
+    """One request's choices for this step."""
+
+    ngram_survival: list[float]  # empty: no n-gram match
+    ngram_limit: int
+    drafter_survival: list[float]  # empty: the drafter is not an option
+    drafter_limit: int
+
+
+@dataclass
+class StepCosts:
+    target: CostCurve
+    drafter_block: CostCurve
+    drafter_lm: CostCurve
+    overhead: float = 0.0
+
+    def seconds(self, rows: int, drafted: int, lm_rows: int, fixed_drafted: int = 0) -> float:
+        block = self.drafter_block(fixed_drafted + drafted) if drafted + fixed_drafted else 0.0
+        return self.target(rows) + block + self.drafter_lm(lm_rows) + self.overhead
+
+
+def choose(
+    cands: Sequence[Candidate],
+    costs: StepCosts,
+    base_rows: int,
+    base_tokens: float,
+    fixed_drafted: int = 0,
+    iterations: int = 3,
+) -> tuple[list[Option], float]:
+    """Per candidate the option maximising the step's expected tokens per second (see module
+    docstring). `base_rows`/`base_tokens`: what the step does regardless (prefills, other
+    methods' verifies, one token per decoding request); `fixed_drafted`: requests of other
+    methods that run the drafter anyway (its fixed cost is then already paid). Also returns the
+    expected tokens/second of the chosen plan (λ, the price of a second)."""
+    n = len(cands)
+    none = [Option("none", 0, 0.0)] * n
+
+    def total(opts: list[Option]) -> float:
+        rows = base_rows + sum(o.drafts for o in opts)
+        drafted = sum(o.proposer == "drafter" for o in opts)
+        lm = sum(o.drafts for o in opts if o.proposer == "drafter")
+        sec = costs.seconds(rows, drafted, lm, fixed_drafted)
+        return (base_tokens + sum(o.expected for o in opts)) / max(sec, 1e-9)
+
+    best, best_rate = none, total(none)
+    lam = best_rate
+    for _ in range(iterations):
+        extra = max(sum(o.drafts for o in best), n)
+        row_price = (costs.target(base_rows + extra) - costs.target(base_rows)) / extra
+        lm_price = costs.drafter_lm(max(extra, 1)) / max(extra, 1)
+        per_draft = costs.drafter_block(fixed_drafted + n) - costs.drafter_block(fixed_drafted)
+        per_draft /= max(n, 1)
+        for allow_drafter in (False, True):
+            opts = []
+            for c in cands:
+                o = _pick(c, lam, row_price, lm_price, per_draft if allow_drafter else None)
+                opts.append(o)
+            rate = total(opts)
+            if rate > best_rate:
+                best, best_rate = opts, rate
+        lam = best_rate
+    return best, best_rate
+
+
+def _pick(c: Candidate, lam: float, row_price: float, lm_price: float, per_draft: float | None) -> Option:
+    best, best_v = Option("none", 0, 0.0), 0.0
+    if c.ngram_survival:
+        o = best_length(c.ngram_survival, c.ngram_limit, lam * row_price)
+        v = o.expected - lam * row_price * o.drafts
+        if o.drafts and v > best_v:
+            best, best_v = Option("ngram", o.drafts, o.expected), v
+    if per_draft is not None and c.drafter_survival:
+        price = lam * (row_price + lm_price)
+        o = best_length(c.drafter_survival, c.drafter_limit, price)
+        v = o.expected - price * o.drafts - lam * per_draft
+        if o.drafts and v > best_v:
+            best = Option("drafter", o.drafts, o.expected)
+    return best

@@ -1,0 +1,151 @@
+"""`adaflash-cost`: the measured-cost choice of proposer (drafter / n-gram / none) and k̂.
+
+Whatever it picks, outputs stay lossless (greedy token-identical, sampling law exact). The choice
+itself follows the measured costs: a drafter that costs more than it brings is not run (except
+the periodic exploration round), free verify rows are used, and n-gram drafts are taken when
+they promise more per second than the drafter.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaflash.serving.costs import AcceptanceStats, Candidate, CostCurve, StepCosts, choose
+from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+from adaflash.serving.proposer import EXPLORE_EVERY
+from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from tests.conftest import make_bundle
+from tests.test_speculative import (
+    _chi2_pvalue,
+    _exact_law,
+    _flat_drafter,
+    _tiny_vocab_target,
+    engine_sample_counts,
+    quick_train,
+)
+
+# Repetitive and plain prompts: n-gram lookup hits on some, misses on others.
+PROMPTS = [[256, *f"ab{i % 3}ab{i % 3} {'xyz' * (i % 4)} q{i}: {i * 7}".encode()] for i in range(16)]
+
+
+def _curve(points: dict[int, float]) -> CostCurve:
+    c = CostCurve(1024)
+    for n, s in points.items():
+        c.set(n, s)
+    return c
+
+
+def _costs(target: dict[int, float], block: dict[int, float], lm: dict[int, float]) -> StepCosts:
+    return StepCosts(_curve(target), _curve(block), _curve(lm))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny64):
+    return quick_train(make_bundle(tiny64, block_size=8, seed=4), tiny64, 40, seed=4)
+
+
+def test_cost_policy_is_token_identical_to_ar(tiny64, trained):
+    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(PROMPTS, DecodeConfig("ar", 40))]
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=6), "v1")
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in PROMPTS]
+    engine.run_until_idle()
+    assert [r.output_ids for r in reqs] == ref
+    rounds = [rd for r in reqs for rd in r.rounds]
+    for r in reqs:  # the feedback schema's round convention holds whatever the proposer
+        for a, b in zip(r.rounds, r.rounds[1:], strict=False):
+            assert b.start == a.start + a.accepted + 1
+    used = {rd.proposer for rd in rounds if rd.verify_len > 1}
+    assert used, "the policy never drafted on a target where drafts are cheap"
+    assert all(rd.verify_len <= 8 for rd in rounds)
+
+
+def test_cost_policy_sampling_matches_target_distribution():
+    target = _tiny_vocab_target()
+    bundle = _flat_drafter(target)
+    prompt, n, temperature = [0, 1, 2, 0, 1], 3, 1.0
+    counts, rounds, _ = engine_sample_counts(target, bundle, "adaflash-cost", prompt, n, temperature, 6000)
+    drafted = [rd for rd in rounds if rd.verify_len > 1]
+    assert sum(rd.accepted for rd in drafted) > 200
+    assert sum(rd.verify_len - 1 - rd.accepted for rd in drafted) > 200
+    assert _chi2_pvalue(counts, _exact_law(target, prompt, n, temperature)) > 1e-3
+
+
+def test_a_drafter_that_costs_more_than_it_brings_only_runs_to_explore(tiny64):
+    useless = make_bundle(tiny64, block_size=8, seed=9)  # random: almost nothing accepted
+    engine = Engine(tiny64, useless, EngineConfig(method="adaflash-cost", max_running=4), "v1")
+    # This machine's shape of costs, exaggerated: a drafter forward costs 3 target steps.
+    engine.proposer.costs = _costs({1: 0.05, 64: 0.06, 1024: 0.5}, {1: 0.15, 64: 0.3}, {1: 0.01, 512: 0.05})
+    engine.proposer.costs.target.rate = engine.proposer.costs.drafter_block.rate = 0.0  # keep them
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=60, temperature=0.0))) for p in PROMPTS[:4]]
+    steps = drafter_steps = 0
+    while (stats := engine.step()) is not None:
+        steps += 1
+        drafter_steps += "drafter" in stats.proposers
+    assert all(len(r.output_ids) == 60 for r in reqs)
+    assert drafter_steps <= steps / EXPLORE_EVERY + 1, (drafter_steps, steps)
+
+
+def test_choose_skips_drafting_when_rows_cost_more_than_acceptance_brings():
+    # 1 row 50 ms, every extra row +10 ms: a draft accepted 5% of the time is not worth a row.
+    costs = _costs({1: 0.05, 1024: 0.05 + 1023 * 0.01}, {1: 0.02}, {1: 0.001})
+    poor = Candidate([0.05, 0.01], 2, [0.05, 0.01, 0.0], 3)
+    opts, rate = choose([poor] * 4, costs, base_rows=4, base_tokens=4.0)
+    assert [o.proposer for o in opts] == ["none"] * 4
+    assert rate == pytest.approx(4 / costs.seconds(4, 0, 0))
+
+
+def test_choose_uses_free_rows_and_prefers_the_better_proposer():
+    # Verifying up to 16 rows costs the same as 1 (this CPU at C = 1); the drafter forward is 40%
+    # of a step. A strong n-gram match beats a mediocre drafter; a weak one loses to it.
+    costs = _costs({1: 0.05, 16: 0.051, 1024: 0.5}, {1: 0.02, 4: 0.03}, {1: 0.002, 64: 0.01})
+    drafter = [0.5, 0.3, 0.15, 0.08, 0.04, 0.02, 0.01]
+    strong_ngram = Candidate([0.9, 0.8, 0.7, 0.6], 4, drafter, 7)
+    opts, _ = choose([strong_ngram], costs, base_rows=1, base_tokens=1.0)
+    assert opts[0].proposer == "ngram" and opts[0].drafts == 4
+    weak_ngram = Candidate([0.1], 1, drafter, 7)
+    opts, _ = choose([weak_ngram], costs, base_rows=1, base_tokens=1.0)
+    assert opts[0].proposer == "drafter" and opts[0].drafts >= 4
+    no_match = Candidate([], 0, [0.01] * 7, 7)  # a drafter this weak does not pay for its forward
+    opts, _ = choose([no_match], costs, base_rows=1, base_tokens=1.0)
+    assert opts[0].proposer == "none"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.001, 0.5), min_size=3, max_size=3),
+    st.lists(
+        st.tuples(st.lists(st.floats(0, 1), max_size=7), st.lists(st.floats(0, 1), max_size=7)),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_choose_never_expects_less_than_plain_decoding(prices, reqs):
+    t1, row, block = prices
+    costs = _costs({1: t1, 1024: t1 + 1023 * row * 0.01}, {1: block}, {1: block / 10})
+    cands = []
+    for ng, dr in reqs:  # survival curves are non-increasing
+        ng = [min(ng[: i + 1]) for i in range(len(ng))]
+        dr = [min(dr[: i + 1]) for i in range(len(dr))]
+        cands.append(Candidate(ng, len(ng), dr, len(dr)))
+    n = len(cands)
+    opts, rate = choose(cands, costs, base_rows=n, base_tokens=float(n))
+    assert rate >= n / costs.seconds(n, 0, 0) - 1e-9
+    for c, o in zip(cands, opts, strict=True):
+        limit = c.ngram_limit if o.proposer == "ngram" else c.drafter_limit if o.proposer == "drafter" else 0
+        assert 0 <= o.drafts <= limit
+
+
+def test_cost_curve_learns_from_steps_and_acceptance_stats_respect_censoring():
+    c = _curve({1: 0.1, 64: 0.1})
+    for _ in range(300):  # the truth: 0.1 s + 2 ms per row
+        for n in (1, 4, 16, 64):
+            c.observe(n, 0.1 + 0.002 * n)
+    assert c(64) == pytest.approx(0.228, rel=0.05) and c(4) == pytest.approx(0.108, rel=0.05)
+    s = AcceptanceStats(4, prior_weight=0.0, decay=1.0)
+    s.observe(drafted=2, accepted=2)  # both verified drafts accepted: position 3 never tried
+    s.observe(drafted=4, accepted=1)  # position 2 tried and rejected, 3-4 not reached
+    cond = s.conditional()
+    assert cond[0] == 1.0 and cond[1] == pytest.approx(0.5)
+    assert s.tried[2] == 0 and cond[2] == s.prior and s.survival()[1] == pytest.approx(0.5)
