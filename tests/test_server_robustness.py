@@ -15,6 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from adaflash.serving import verifier
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
 from tests.conftest import make_bundle
@@ -247,7 +248,7 @@ def test_numeric_failure_fails_one_request_and_leaves_its_batch_untouched(tiny64
     expected = [alone.submit(r) for r in requests()]
     alone.run_until_idle()
 
-    real = Engine._dist
+    real = verifier.dist
 
     def poisoned(logits, owners):
         p = real(logits, owners)
@@ -256,7 +257,7 @@ def test_numeric_failure_fails_one_request_and_leaves_its_batch_untouched(tiny64
                 p[j] = float("nan")
         return p
 
-    monkeypatch.setattr(Engine, "_dist", staticmethod(poisoned))
+    monkeypatch.setattr(verifier, "dist", poisoned)
     engine = Engine(tiny64, trained, EngineConfig(max_running=8), "v1")
     victims = [
         Request(ids, GenParams(max_tokens=24, temperature=0.8, seed=666, method=m)) for m in ("ar", "dflash")

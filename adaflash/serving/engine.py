@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adaflash import kernels
-from adaflash.errors import AdaFlashError, InputError
+from adaflash.errors import InputError
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
 from adaflash.serving import verifier
@@ -50,18 +50,12 @@ from adaflash.serving.request import (  # noqa: F401 - the engine's public names
 )
 from adaflash.serving.runner import PackedBatch, PackedRunner, Segment
 from adaflash.serving.scheduler import Scheduler, SchedulerConfig
+from adaflash.serving.step_loop import MAX_STEP_FAILURES, EngineFailed, StepLoop  # noqa: F401
 from adaflash.serving.verifier import filter_top_k_top_p  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
-# Consecutive failed steps (not pinned on one request) after which the step loop gives up: the
-# process should then exit so that a supervisor restarts it.
-MAX_STEP_FAILURES = 3
 __all__ = ["NGRAM_BLOCK", "Engine", "EngineConfig", "EngineFailed", "StepStats"]
-
-
-class EngineFailed(AdaFlashError):
-    """The step loop has stopped (repeated failures): nothing can be served until a restart."""
 
 
 @dataclass
@@ -100,7 +94,7 @@ class StepStats:
     proposers: list[str] = field(default_factory=list)  # per decoding request
 
 
-class Engine:
+class Engine(StepLoop):
     def __init__(
         self,
         target: Target,
@@ -200,64 +194,6 @@ class Engine:
             self._staged = (bundle, version)
         self._wake.set()
 
-    # --- the step-loop thread --------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        failures = 0
-        try:
-            while not self._stop.is_set():
-                try:
-                    stats = self.step()
-                except Exception as exc:  # noqa: BLE001 - not pinned on one request: fail the step's
-                    failures += 1
-                    log.exception("engine step failed (%d in a row)", failures)
-                    self.abort_running(exc)
-                    if failures >= MAX_STEP_FAILURES:
-                        raise
-                    continue
-                if stats is None:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                else:
-                    failures = 0  # a step that did work: the trouble was not persistent
-        except BaseException as exc:  # a bug: keep it visible on /health instead of a silent hang
-            self.failure = exc
-            self.abort_running(exc)
-            for r in list(self.scheduler.pending):  # nobody will ever admit them: fail them now
-                if self.scheduler.remove_pending(r):
-                    r.fail(f"the engine stopped: {exc!r}", "server")
-                    r.finish(None, time.perf_counter())
-                    self._notify(r, [])
-            raise
-
-    def abort_running(self, exc: BaseException) -> None:
-        """Fail every running request (a step raised and its state is unknown); free their slots
-        so the loop can go on with the others still waiting."""
-        for r in list(self.scheduler.running.values()):
-            if not r.finished:
-                r.fail(f"internal error in the engine step: {exc!r}", "server")
-                r.finish(None, time.perf_counter())
-            try:
-                self.scheduler.finish(r)
-            except Exception:  # noqa: BLE001
-                log.exception("could not free the slot of %s", r.request_id)
-            self._notify(r, [])
-
-    def run_until_idle(self) -> None:
-        """Drive the loop on the calling thread until nothing waits or runs (tests, benchmark)."""
-        while self.step() is not None:
-            pass
-
     # --- one step --------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -354,40 +290,7 @@ class Engine:
                 self.cancel(r.request_id)
 
     def _emit(self, r: Request, new: list[int], now: float) -> None:
-        """Append new tokens, cut at the first eos / stop sequence / max_tokens, stream them."""
-        for j, t in enumerate(new):
-            if t in self.eos:
-                new = new[: j + 1]
-                r.finish_reason = "stop"
-                break
-        new = new[: r.params.max_tokens - len(r.output_ids)]
-        before = len(r.output_ids)
-        r.output_ids.extend(new)
-        if r.params.stop:
-            cut = self._stop_cut(r, before)
-            if cut is not None:
-                del r.output_ids[cut:]
-                new = new[: cut - before]
-                r.finish_reason = "stop"
-        r.token_times.extend([now] * len(new))
-        if r.finish_reason is None and len(r.output_ids) >= r.params.max_tokens:
-            r.finish_reason = "length"
-        if r.finish_reason is not None:
-            r.finish(None, now)
-        self._notify(r, new)
-
-    def _stop_cut(self, r: Request, before: int) -> int | None:
-        """Number of output tokens to keep when a stop sequence completes in the tokens after
-        `before`: the shortest prefix whose text contains one (earlier checks found none). Sets
-        `r.stop_index`, where the returned text ends (the stop sequence itself is not returned)."""
-        tok = self.target.tokenizer
-        for n in range(before + 1, len(r.output_ids) + 1):
-            text = tok.decode([t for t in r.output_ids[:n] if t not in self.eos])
-            hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
-            if hits:
-                r.stop_index = min(hits)
-                return n
-        return None
+        self._notify(r, r.commit(new, self.eos, lambda ids: self.target.tokenizer.decode(ids), now))
 
     def _release(self, r: Request) -> None:
         self.scheduler.finish(r, r.e2e)

@@ -127,6 +127,44 @@ class Request:
         self.finish_reason = "error"
         return first
 
+    def commit(
+        self, new: list[int], eos: set[int], decode: Callable[[list[int]], str], now: float
+    ) -> list[int]:
+        """Append verified tokens, cut at the first eos / stop sequence / max_tokens; returns the
+        tokens actually committed (what the client is sent)."""
+        for j, t in enumerate(new):
+            if t in eos:
+                new = new[: j + 1]
+                self.finish_reason = "stop"
+                break
+        new = new[: self.params.max_tokens - len(self.output_ids)]
+        before = len(self.output_ids)
+        self.output_ids.extend(new)
+        if self.params.stop:
+            cut = self._stop_cut(before, eos, decode)
+            if cut is not None:
+                del self.output_ids[cut:]
+                new = new[: cut - before]
+                self.finish_reason = "stop"
+        self.token_times.extend([now] * len(new))
+        if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            self.finish(None, now)
+        return new
+
+    def _stop_cut(self, before: int, eos: set[int], decode: Callable[[list[int]], str]) -> int | None:
+        """Number of output tokens to keep when a stop sequence completes in the tokens after
+        `before`: the shortest prefix whose text contains one (earlier checks found none). Sets
+        `stop_index`, where the returned text ends (the stop sequence itself is not returned)."""
+        for n in range(before + 1, len(self.output_ids) + 1):
+            text = decode([t for t in self.output_ids[:n] if t not in eos])
+            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            if hits:
+                self.stop_index = min(hits)
+                return n
+        return None
+
     def finish(self, reason: str | None, now: float) -> None:
         if reason is not None:
             self.finish_reason = reason
