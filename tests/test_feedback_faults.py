@@ -65,6 +65,67 @@ def test_records_sent_after_a_sigtermed_broker_arrive_exactly_once(tmp_path):
     assert st["replayed"] == len(after) and st["spool_dropped"] == 0
 
 
+def test_records_sent_to_a_killed_broker_are_replayed_when_it_returns(tmp_path):
+    """SIGKILL: connections reset at once, nothing is acknowledged; every record sent while the
+    broker is gone is spooled and arrives exactly once when a broker is back on the address."""
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    producer = FeedbackProducer(ProducerConfig(bootstrap, tmp_path / "spool", retry_seconds=0.3))
+    after = [_record(200 + i) for i in range(24)]
+    broker = Broker(tmp_path / "broker", port=port)
+    broker.start()
+    try:
+        producer.send(_record(0))
+        assert producer.flush(30) and producer.stats["sent"] == 1
+        pid = broker._pid()
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: not alive(pid), 10, "the SIGKILLed broker is still alive")
+        t0 = time.monotonic()
+        for r in after:
+            producer.send(r)  # the serving path never waits for the broker
+        assert time.monotonic() - t0 < 1.0
+        assert producer.flush(60)
+        assert producer.stats["spool_records"] == len(after)
+    finally:
+        broker.stop()
+    with running_broker(tmp_path / "broker", port=port) as broker:
+        _wait(lambda: producer.stats["spool_records"] == 0, 60, "the spool was not replayed")
+        producer.close()
+        ids = [parse_record(m.value).record_id for m in read_topic(broker.bootstrap_servers, topics.RAW)]
+    assert sorted(ids) == sorted(r.record_id for r in after)
+    assert producer.stats["replayed"] == len(after) and producer.stats["spool_dropped"] == 0
+
+
+def test_a_frozen_broker_neither_blocks_serving_nor_loses_records(tmp_path):
+    """SIGSTOP: the kernel still completes TCP handshakes, but nothing answers. Sends must not
+    block the caller; unacknowledged records are spooled and replayed after SIGCONT. A request
+    the frozen broker had already read may be acknowledged late as well: consumers dedupe by
+    record id, so every record arrives, once after dedupe."""
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    producer = FeedbackProducer(ProducerConfig(bootstrap, tmp_path / "spool", retry_seconds=0.3))
+    frozen = [_record(300 + i) for i in range(16)]
+    with running_broker(tmp_path / "broker", port=port) as broker:
+        producer.send(_record(1))
+        assert producer.flush(30)
+        pid = broker._pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: not broker_answers(bootstrap), 10, "a frozen broker answered")
+            t0 = time.monotonic()
+            for r in frozen:
+                producer.send(r)
+            assert time.monotonic() - t0 < 1.0
+            _wait(lambda: producer.stats["spool_records"] >= len(frozen), 60, "records were not spooled")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _wait(lambda: producer.stats["spool_records"] == 0, 60, "the spool was not replayed after SIGCONT")
+        producer.close()
+        ids = [parse_record(m.value).record_id for m in read_topic(broker.bootstrap_servers, topics.RAW)]
+    assert {r.record_id for r in frozen} <= set(ids)
+    assert producer.stats["spool_dropped"] == 0
+
+
 def test_feedback_counts_and_spool_depth_are_in_metrics(tmp_path, tiny64):
     port = free_port()
     producer = FeedbackProducer(ProducerConfig(f"127.0.0.1:{port}", tmp_path / "spool", retry_seconds=0.3))

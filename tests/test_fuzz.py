@@ -66,7 +66,7 @@ COMMON = {
     "seed": _maybe(st.integers(-(2**63), 2**64 - 1) | st.sampled_from([2**64, -(2**63) - 1])),
     "stop": _maybe(text | st.lists(text, max_size=4) | st.lists(text, min_size=5, max_size=5)),
     "stream": _maybe(st.booleans()),
-    "method": _maybe(st.sampled_from(["ar", "dflash", "adaflash", "eagle"])),
+    "method": _maybe(st.sampled_from(["ar", "dflash", "adaflash", "adaflash-cost", "ngram", "eagle"])),
     "user": _maybe(text),
     "logprobs": _maybe(st.sampled_from([None, False, 0, 0, True, 2])),
     "presence_penalty": _maybe(st.sampled_from([0, 0.0, 0.0, 0.5])),
