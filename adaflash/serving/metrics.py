@@ -29,6 +29,12 @@ class ServingMetrics:
         self.rounds = Counter(
             "adaflash_rounds", "Verification rounds (target forwards per request)", ["method"], registry=r
         )
+        self.proposer_rounds = Counter(
+            "adaflash_proposer_rounds",
+            "Rounds by who proposed the drafts (drafter, ngram, none = an AR round): adaflash-cost's choices",
+            ["method", "proposer"],
+            registry=r,
+        )
         self.round_tokens = Counter(
             "adaflash_round_tokens",
             "Tokens gained by rounds (accepted drafts + bonus)",
@@ -121,6 +127,7 @@ class ServingMetrics:
         tot = self._by_method.setdefault(m, [0, 0])
         for rd in req.rounds:
             self.rounds.labels(m).inc()
+            self.proposer_rounds.labels(m, rd.proposer).inc()
             self.round_tokens.labels(m).inc(rd.accepted + 1)
             self.verify_len.labels(m).observe(rd.verify_len)
             tot[0] += 1
