@@ -23,7 +23,7 @@ def compare(
     max_new_tokens: Annotated[int, typer.Option()] = 96,
 ) -> None:
     """Compare ar / dflash / adaflash on held-out prompts with one drafter, batch 1, greedy."""
-    from adaflash.compare import run_comparison
+    from adaflash.bench.compare import run_comparison
 
     tgt, bundle = load(target, drafter)
     run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
@@ -49,7 +49,8 @@ def bench(
     data_dir: PromptsDirOpt = None,
 ) -> None:
     """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
-    from adaflash.serving.bench import BenchSpec, run_bench, serve_peak_rss, write_outputs
+    from adaflash.bench.serving import BenchSpec, run_bench, serve_peak_rss
+    from adaflash.bench.serving_report import write_outputs
 
     spec = BenchSpec(
         methods=csv(methods),
@@ -96,7 +97,7 @@ def adapt(
     ),
 ) -> None:
     """Online adaptation experiment: OSD vs AdaFlash retraining on shifted traffic, DFlash fixed."""
-    from adaflash.adaptation import LEARNERS, AdaptationSpec, run_adaptation, write_outputs
+    from adaflash.bench.adaptation import LEARNERS, AdaptationSpec, run_adaptation, write_outputs
 
     names = csv(learners)
     bad = [x for x in names if x not in LEARNERS]

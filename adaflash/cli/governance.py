@@ -130,7 +130,7 @@ def governance_bench(
     quality: Annotated[bool, typer.Option(help="also measure false positives on the PII-free sets")] = True,
 ) -> None:
     """Measure governance records/s on this machine and where the time goes (vs raw spaCy)."""
-    from adaflash.governance.bench import run_bench
+    from adaflash.bench.governance import run_bench
 
     run_bench(target, records, batch_size, out, data_dir, console, workers, pii=pii, quality=quality)
 

@@ -29,7 +29,7 @@ ServePortOpt = Annotated[int, typer.Option(help="OpenAI API port")]
 
 def _stack(target: str, drafter: Path | None, broker_port: int, registry_port: int, port: int, watch: bool,
            min_records: int):  # fmt: skip
-    from adaflash.stack import Stack, StackConfig
+    from adaflash.ops.stack import Stack, StackConfig
 
     return Stack(
         StackConfig(
@@ -74,7 +74,7 @@ def demo(
 
     Serves the drafter that ships in git; it never trains one on the fly (a loaded machine would
     only make that slower, never different)."""
-    from adaflash.scenario import Scenario, ScenarioConfig
+    from adaflash.ops.demo import Scenario, ScenarioConfig
 
     setup_torch()
     if drafter is None:

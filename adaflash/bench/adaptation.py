@@ -73,7 +73,7 @@ def _engine(target: Target, bundle: DrafterBundle | None, spec: AdaptationSpec, 
 
 def _serve(target, bundle, method: str, ids: list[list[int]], spec, tenants):
     """One cell: returns (cell metrics, outputs, feedback records of the finished requests)."""
-    from adaflash.serving.bench import run_cell
+    from adaflash.bench.serving import run_cell
     from adaflash.serving.feedback_emitter import build_record
 
     engine = _engine(target, bundle, spec, max(len(x) for x in ids))
