@@ -188,7 +188,7 @@ def export(
     ] = None,
 ) -> None:
     """Write a drafter directory SGLang/vLLM load unmodified (DFlash format, length head beside it)."""
-    from adaflash.export import export_drafter, export_from_registry
+    from adaflash.serving.export import export_drafter, export_from_registry
 
     if fmt != "dflash":
         raise InputError(f"--format {fmt!r}: only dflash is supported")

@@ -169,8 +169,8 @@ def sglang_launch_args(
 ) -> None:
     """Print the `python -m sglang.launch_server ... --speculative-algorithm DFLASH` line for a drafter."""
     from adaflash.errors import CheckpointError
-    from adaflash.export import drafter_block_size, sglang_launch_argv, shell_line, target_model_path
     from adaflash.models.targets import load_vocabulary
+    from adaflash.serving.export import drafter_block_size, sglang_launch_argv, shell_line, target_model_path
 
     k = drafter_block_size(drafter)
     meta_file = drafter / "adaflash.json"
