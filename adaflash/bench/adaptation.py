@@ -111,7 +111,7 @@ class _Loop:
     """One learner's closed loop: its own governance dir, buffer, lineage and drafter lineage."""
 
     def __init__(self, name: str, target: Target, bootstrap: Path, work: Path, scrubber) -> None:
-        from adaflash.governance.service import GovernanceConfig, Governor
+        from adaflash.governance.governor import GovernanceConfig, Governor
 
         self.name, self.target = name, target
         self.loss, self.method = LEARNERS[name]
@@ -124,7 +124,7 @@ class _Loop:
         self.offset = 0
 
     def govern(self, records) -> dict:
-        from adaflash.governance.service import Message
+        from adaflash.governance.governor import Message
 
         msgs = []
         for rec in records:

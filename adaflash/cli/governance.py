@@ -89,7 +89,8 @@ def governance_run(
     idle_exit: Annotated[float | None, typer.Option(help="stop after this many idle seconds")] = None,
 ) -> None:
     """Consume adaflash.feedback.raw; write clean shards, the clean/quarantine topics and the audit."""
-    from adaflash.governance.service import GovernanceConfig, GovernanceService, Governor
+    from adaflash.governance.governor import GovernanceConfig, Governor
+    from adaflash.governance.service import GovernanceService
     from adaflash.models.targets import load_vocabulary
 
     cfg = GovernanceConfig(
