@@ -25,7 +25,8 @@ from adaflash.feedback import topics
 from adaflash.feedback.schema import CleanRecord, QuarantineRecord
 from adaflash.governance.filters import FilterConfig
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
-from adaflash.governance.pii import PiiScrubber, Span, replace_spans
+from adaflash.governance.pii import PiiScrubber
+from adaflash.governance.pii_spans import Span, replace_spans
 from adaflash.governance.retokenize import scrub_token_ids
 from adaflash.governance.service import GovernanceService
 from adaflash.governance.synthetic import ANOMALIES, TrafficGenerator
