@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from adaflash.adaptation import AdaptationSpec, run_adaptation, write_outputs
+from adaflash.bench.adaptation import AdaptationSpec, run_adaptation, write_outputs
 from adaflash.models.checkpoint import save_drafter
 from tests.conftest import make_bundle
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from adaflash.serving.bench import BenchSpec, hf_model, run_bench, serve_peak_rss, write_outputs
+from adaflash.bench.serving import BenchSpec, hf_model, run_bench, serve_peak_rss
+from adaflash.bench.serving_report import write_outputs
 from adaflash.workloads import default_data_dir
 from tests.conftest import make_bundle
 

@@ -2,7 +2,7 @@
 
 The exported directory must load unmodified in the reference `dflash` package (the format
 oracle) and carry every config field SGLang's DFlash loader reads. SGLang itself needs a GPU and
-~6 GB of CUDA wheels, so it is not run here: its field list lives in `adaflash.export`.
+~6 GB of CUDA wheels, so it is not run here: its field list lives in `adaflash.serving.export`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from adaflash.errors import CheckpointError
-from adaflash.export import SGLANG_FIELDS, check_dflash_config, export_drafter, sglang_launch_argv
 from adaflash.models.checkpoint import save_drafter
+from adaflash.serving.export import SGLANG_FIELDS, check_dflash_config, export_drafter, sglang_launch_argv
 from tests.conftest import make_bundle
 
 

@@ -191,8 +191,8 @@ def test_governance_accounts_for_every_generated_record(tmp_path):
     """A sample of the generated payloads around good records, through the real governor:
     in = clean + quarantined + duplicate (it checks that itself), nothing raises."""
     from adaflash.governance.filters import FilterConfig
+    from adaflash.governance.governor import GovernanceConfig, Governor, Message
     from adaflash.governance.pii import PiiScrubber
-    from adaflash.governance.service import GovernanceConfig, Governor, Message
     from adaflash.models.targets import load_vocabulary
 
     assert len(GENERATED) >= N_RECORDS or not GENERATED  # run with the parsing test (default order)

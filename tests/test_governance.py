@@ -24,9 +24,11 @@ import pytest
 from adaflash.feedback import topics
 from adaflash.feedback.schema import CleanRecord, QuarantineRecord
 from adaflash.governance.filters import FilterConfig
-from adaflash.governance.pii import PiiScrubber, Span, replace_spans
+from adaflash.governance.governor import GovernanceConfig, Governor, Message
+from adaflash.governance.pii import PiiScrubber
+from adaflash.governance.pii_spans import Span, replace_spans
 from adaflash.governance.retokenize import scrub_token_ids
-from adaflash.governance.service import GovernanceConfig, GovernanceService, Governor, Message
+from adaflash.governance.service import GovernanceService
 from adaflash.governance.synthetic import ANOMALIES, TrafficGenerator
 from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import load_prompts

@@ -27,8 +27,9 @@ from adaflash.feedback.schema import (
     QuarantineRecord,
     SamplingParams,
 )
+from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.pii import PiiScrubber
-from adaflash.governance.service import GovernanceConfig, GovernanceService, Governor, Message
+from adaflash.governance.service import GovernanceService
 from adaflash.governance.synthetic import _rounds
 from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import load_prompts

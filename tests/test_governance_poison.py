@@ -12,8 +12,9 @@ import pytest
 from adaflash.feedback import topics
 from adaflash.feedback.schema import parse_record
 from adaflash.governance.filters import FilterConfig
+from adaflash.governance.governor import GovernanceConfig, Governor, Message
+from adaflash.governance.payloads import json_depth_exceeds
 from adaflash.governance.pii import PiiScrubber
-from adaflash.governance.service import GovernanceConfig, Governor, Message, json_depth_exceeds
 from adaflash.governance.synthetic import TrafficGenerator
 from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import load_prompts

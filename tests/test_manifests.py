@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from adaflash.export import sglang_launch_argv
 from adaflash.feedback.topics import TOPICS
+from adaflash.serving.export import sglang_launch_argv
 from tests.conftest import REPO
 
 OVERLAYS = ("local-kind", "production")

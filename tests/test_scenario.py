@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 
 from adaflash.models.checkpoint import save_drafter
-from adaflash.scenario import PLANTED, Scenario, ScenarioConfig
+from adaflash.ops.demo import PLANTED, Scenario, ScenarioConfig
 from tests.conftest import make_bundle
 
 

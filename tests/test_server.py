@@ -17,7 +17,8 @@ import torch
 from adaflash.feedback.broker import free_port
 from adaflash.models.checkpoint import save_drafter
 from adaflash.serving.engine import Engine, EngineConfig
-from adaflash.serving.server import ChatMessage, ServerSettings, ServerThread, chat_prompt_ids, create_app
+from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
+from adaflash.serving.server import ServerSettings, ServerThread, create_app
 from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
 from tests.conftest import make_bundle
 from tests.test_speculative import quick_train

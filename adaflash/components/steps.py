@@ -1,11 +1,18 @@
 """The continual-training steps as plain functions; the KFP components are thin wrappers.
 
   ingest       clean records not yet trained on → a snapshot (train + held-out split) with lineage
+  champion     the registry's champion (or the bootstrap drafter before the first promotion)
   train        warm-start from the champion, OPD (or a baseline) on the snapshot → challenger dir
-  shadow_eval  challenger vs champion on held-out recent traffic, same engine, same prompts
-  gate         promote only when the challenger wins by a margin and no domain regresses
+  shadow_gate  challenger vs champion on the held-out records (same decoder, same prompts, one
+               AR reference), then `gate`: promote only when the challenger wins by a margin
+               and no domain regresses
+  register     the challenger as a registry version with its lineage and shadow metrics; its
+               records marked trained in the lineage store
+  promote      auto-promotion of a winning challenger
+  record_run   the exit handler's line in the pipeline run log
 
-Keeping them framework-free means `kfp.local`, a Kubeflow cluster and the tests run the same code.
+Each component body only moves artifacts and calls one of these, so `kfp.local`, a Kubeflow
+cluster and the tests run the same code.
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ class Snapshot:
         (path / "lineage.json").write_text(
             json.dumps({"shard_ids": self.shard_ids, **self.lineage}, indent=2)
         )
+
+    def summary(self) -> dict:
+        return {"records": self.lineage["records"], "shards": len(self.shard_ids),
+                "tenants": len(self.lineage["tenants"])}  # fmt: skip
 
     @classmethod
     def load(cls, path: Path) -> Snapshot:
@@ -93,6 +104,11 @@ def ingest(
     return Snapshot(train, heldout, [s["shard_id"] for s in shards], lineage)
 
 
+LOSSES = ("opd", "osd", "fkl")  # online training objectives (training/online.py)
+GATE_METRICS = ("tau_full", "tau", "tps")  # what GatePolicy.metric may name
+GATE_MODES = ("auto", "manual")  # manual: a winner waits, pending approval, for a person
+
+
 @dataclass(frozen=True)
 class GatePolicy:
     min_gain: float = 0.02  # the challenger's `metric` must beat the champion's by this fraction
@@ -143,7 +159,8 @@ def shadow_eval(
     max_new_tokens: int = 64,
     reference: dict[str, list[int]] | None = None,
 ) -> dict:
-    """Serve the held-out prompts with `drafter_dir` (adaflash, T=0) on our engine, per domain.
+    """Decode the held-out prompts with `drafter_dir` (adaflash, T=0) in batches of `concurrency`
+    with our `SpeculativeDecoder` (not the serving engine's scheduler), per domain.
 
     Reports τ, mean k̂, target-verified tokens per output token, TPS at `concurrency`, the length
     head's calibration error against the uncensored label, τ over the full block (`tau_full`), and
@@ -217,3 +234,137 @@ def ar_reference(target, prompts, concurrency: int, max_new_tokens: int) -> dict
         results = dec.generate([p for _, _, p in chunk], DecodeConfig("ar", max_new_tokens=max_new_tokens))
         out.update({rid: r.token_ids for (rid, _, _), r in zip(chunk, results, strict=True)})
     return out
+
+
+def prompts_of(records: list[CleanRecord]) -> list[tuple[str, str, list[int]]]:
+    """(record id, domain, prompt ids): what the decoders take."""
+    return [(r.record.record_id, r.record.domain or "unknown", r.record.prompt_token_ids) for r in records]
+
+
+@dataclass
+class ShadowReport:
+    champion: dict  # shadow_eval reports
+    challenger: dict
+    decision: GateDecision
+
+    def to_dict(self) -> dict:
+        return {"champion": self.champion, "challenger": self.challenger, "gate": self.decision.to_dict()}
+
+    def metrics(self) -> dict[str, float]:
+        """The challenger's headline numbers per domain, each beside the champion's (KFP Metrics)."""
+        out = {}
+        for dom, row in self.challenger["domains"].items():
+            old = self.champion["domains"].get(dom, row)
+            for k in ("tau", "tau_full", "mean_verify_len", "tps"):
+                out[f"{dom}.{k}"] = round(float(row[k]), 4)
+                out[f"{dom}.{k}.champion"] = round(float(old[k]), 4)
+        return out
+
+
+def shadow_gate(
+    target,
+    heldout: list[CleanRecord],
+    champion_dir: Path,
+    challenger_dir: Path,
+    policy: GatePolicy,
+    concurrency: int = 8,
+    max_new_tokens: int = 64,
+) -> ShadowReport:
+    """Shadow-evaluate both drafters against one AR reference, then gate the challenger."""
+    ref = ar_reference(target, prompts_of(heldout), concurrency, max_new_tokens)
+    old = shadow_eval(target, champion_dir, heldout, concurrency, max_new_tokens, ref)
+    new = shadow_eval(target, challenger_dir, heldout, concurrency, max_new_tokens, ref)
+    return ShadowReport(old, new, gate(old, new, policy))
+
+
+def _registry(target: str, tracking_uri: str, bootstrap_servers: str = ""):
+    from adaflash.models.targets import load_vocabulary
+    from adaflash.registry.client import RegistryClient
+
+    return RegistryClient(
+        tracking_uri, load_vocabulary(target).fingerprint, bootstrap_servers=bootstrap_servers or None
+    )
+
+
+@dataclass(frozen=True)
+class Champion:
+    version: str  # "" before the first promotion
+    source: str  # the version, or "bootstrap:<dir>": the challenger's lineage parent
+
+
+def champion(target: str, tracking_uri: str, fallback_dir: str, out: Path) -> Champion:
+    """Copy the registry's champion (or the bootstrap drafter before the first promotion) to `out`."""
+    import shutil
+
+    with _registry(target, tracking_uri) as reg:
+        version = reg.champion() or ""
+        src = reg.download("champion") if version else Path(fallback_dir)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    return Champion(version, version or f"bootstrap:{fallback_dir}")
+
+
+def train(target, snapshot: Snapshot, champion_dir: Path, parent: str | None, out: Path, cfg) -> dict:
+    """Warm-start from the champion and train on the snapshot's records (`cfg`: an OnlineConfig);
+    the challenger lands in `out` with its lineage (records, parent). Returns its summary."""
+    from adaflash.models.checkpoint import load_drafter_for
+    from adaflash.training.online import OnlineTrainer
+
+    lineage = {"train_record_ids": snapshot.lineage["train_record_ids"], "parent": parent}
+    trainer = OnlineTrainer(target, load_drafter_for(champion_dir, target), out, cfg)
+    metrics = trainer.train(snapshot.train, lineage=lineage)
+    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"]}
+
+
+def register(
+    target: str,
+    tracking_uri: str,
+    bootstrap_servers: str,
+    governance_dir: Path,
+    gate_mode: str,
+    decision: str,
+    snapshot: Snapshot,
+    challenger_dir: Path,
+    shadow: dict,
+) -> str:
+    """Register the challenger with its lineage and shadow metrics (`shadow`: a ShadowReport's
+    dict) — pending approval when the gate said promote in manual mode — and mark its records
+    trained in the lineage store."""
+    from datetime import UTC, datetime
+
+    lineage = {
+        "shards": snapshot.shard_ids,
+        "n_records": snapshot.lineage["train_records"],
+        "tenants": snapshot.lineage["tenants"],
+        "offsets": snapshot.lineage["offsets"],
+        "train_record_ids": snapshot.lineage["train_record_ids"],
+    }
+    metrics = {"shadow": shadow["challenger"]["domains"], "champion": shadow["champion"]["domains"]}
+    with _registry(target, tracking_uri, bootstrap_servers) as reg:
+        version = reg.register(
+            challenger_dir,
+            lineage=lineage,
+            metrics=metrics,
+            reason=f"pipeline run: shadow gate said {decision}: {'; '.join(shadow['gate']['reasons'])}",
+            pending_approval=(gate_mode == "manual" and decision == "promote"),
+        )
+    store = LineageStore(governance_dir / "lineage.sqlite")
+    try:
+        store.mark_trained(
+            snapshot.shard_ids, version, datetime.now(UTC).isoformat(), snapshot.lineage["train_record_ids"]
+        )
+    finally:
+        store.close()
+    return version
+
+
+def promote(target: str, tracking_uri: str, bootstrap_servers: str, version: str, reason: str) -> None:
+    """Auto-promotion: the challenger beat the champion in shadow evaluation."""
+    with _registry(target, tracking_uri, bootstrap_servers) as reg:
+        reg.promote(version, who="pipeline", reason=reason)
+
+
+def record_run(governance_dir: Path, pipeline_job: str, state: str, error: str | None) -> None:
+    """Append a run's final state (and error, if any) to the pipeline run log."""
+    entry = {"at": time.time(), "pipeline_job": pipeline_job, "state": state, "error": error or None}
+    with open(governance_dir / "pipeline_runs.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")

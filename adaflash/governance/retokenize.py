@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from adaflash.governance.pii import Span, replace_spans, shift_span
+from adaflash.governance.pii_spans import Span, replace_spans, shift_span
 from adaflash.models.tokenizer import Tokenizer
 
 

@@ -22,6 +22,7 @@ from adaflash.components.kfp_components import (
     shadow_eval_op,
     train_op,
 )
+from adaflash.components.steps import GATE_METRICS, GATE_MODES, LOSSES
 
 PIPELINE_NAME = "adaflash-continual-training"
 # On a cluster every step mounts the volumes of manifests/base/storage.yaml where the governance
@@ -105,17 +106,14 @@ def continual_training(
                 )
 
 
-GATE_METRICS = ("tau_full", "tau", "tps")
-
-
 def run_local(pipeline_root: Path, **params) -> None:
     """Execute the pipeline here through kfp.local: every component is a subprocess of this
     environment. Raises when a task fails (after the exit handler has recorded the run)."""
     from kfp import local
 
-    if params.get("loss", "opd") not in ("opd", "osd", "fkl"):
+    if params.get("loss", "opd") not in LOSSES:
         raise ValueError(f"unknown loss {params['loss']!r}: choose opd, osd or fkl")
-    if params.get("gate_mode", "auto") not in ("auto", "manual"):
+    if params.get("gate_mode", "auto") not in GATE_MODES:
         raise ValueError("gate mode must be auto or manual")
     if params.get("gate_metric", "tau_full") not in GATE_METRICS:
         raise ValueError(f"gate metric must be one of {', '.join(GATE_METRICS)}")

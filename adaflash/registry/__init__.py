@@ -1,16 +1,6 @@
 """The drafter registry (MLflow): versions, champion/challenger aliases, approvals, rollback, events."""
 
-from adaflash.registry.client import (
-    ALIASES,
-    CHALLENGER,
-    CHAMPION,
-    PREVIOUS_CHAMPION,
-    ActionRecord,
-    Lineage,
-    RegistryClient,
-    VersionInfo,
-    model_name_for,
-)
+from adaflash.registry.client import RegistryClient
 from adaflash.registry.errors import (
     NothingToRollBackError,
     RegistryError,
@@ -18,6 +8,16 @@ from adaflash.registry.errors import (
     UnknownVersionError,
 )
 from adaflash.registry.server import RegistryServer
+from adaflash.registry.versions import (
+    ALIASES,
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    ActionRecord,
+    Lineage,
+    VersionInfo,
+    model_name_for,
+)
 
 __all__ = [
     "ALIASES",

@@ -28,406 +28,54 @@ registered model); an unreachable server makes the HTTP client retry for minutes
 
 from __future__ import annotations
 
-import contextlib
-import getpass
 import json
 import logging
 import os
 import shutil
-import subprocess
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from adaflash import __version__
 from adaflash.feedback.events import DrafterEvent, EventType
-from adaflash.registry.errors import (
-    NothingToRollBackError,
-    RegistryError,
-    RegistryUnavailableError,
-    UnknownVersionError,
+from adaflash.registry.errors import NothingToRollBackError, RegistryError
+from adaflash.registry.reader import RegistryReader
+from adaflash.registry.versions import (
+    ALIASES,
+    APPROVED,
+    CHALLENGER,
+    CHAMPION,
+    DRAFTER_ARTIFACT,
+    PENDING,
+    PREVIOUS_CHAMPION,
+    REQUIRED_FILES,
+    SUPERSEDED,
+    T_ACTION,
+    T_APPROVAL,
+    T_CODE,
+    T_FINGERPRINT,
+    T_REPLACED,
+    T_STATUS,
+    ActionRecord,
+    Lineage,
+    VersionInfo,
+    as_version,
+    clip_tag,
+    current_code_version,
+    default_who,
+    flatten_metrics,
+    model_name_for,
+    now_utc,
 )
-from adaflash.registry.publisher import EventPublisher
-from adaflash.registry.server import health
 
 log = logging.getLogger(__name__)
-
-CHAMPION = "champion"
-CHALLENGER = "challenger"
-PREVIOUS_CHAMPION = "previous_champion"
-ALIASES = (CHAMPION, CHALLENGER, PREVIOUS_CHAMPION)
-
-# Tags (model version unless noted). `adaflash.approval` is the one a person sets in the MLflow UI.
-T_FINGERPRINT = "adaflash.target_fingerprint"
-T_TARGET = "adaflash.target_name"
-T_STATUS = "adaflash.status"  # registered | challenger | champion | previous_champion | rolled_back
-T_APPROVAL = "adaflash.approval"  # pending | approved | superseded
-T_CODE = "adaflash.code_version"
-T_REPLACED = "adaflash.replaced_version"  # the champion this version replaced when promoted
-T_ACTION = "adaflash.action"  # history runs
-APPROVED = "approved"
-PENDING = "pending"
-SUPERSEDED = "superseded"  # a pending challenger replaced by a newer one before anyone approved it
-DRAFTER_ARTIFACT = "drafter"
-REQUIRED_FILES = ("config.json", "model.safetensors", "adaflash.json")
-
-# MLflow rejects longer tag values; the full lineage lives in the run's lineage.json.
-_MAX_TAG = 4000
+__all__ = ["ALIASES", "CHALLENGER", "CHAMPION", "PREVIOUS_CHAMPION", "ActionRecord", "Lineage",
+           "RegistryClient", "VersionInfo", "model_name_for"]  # fmt: skip
 
 
-def model_name_for(fingerprint: str) -> str:
-    return f"adaflash-drafter-{fingerprint[:16]}"
-
-
-def default_who() -> str:
-    try:
-        return os.environ.get("ADAFLASH_USER") or getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (containers)
-        return "unknown"
-
-
-def current_code_version() -> str:
-    """The git sha of the checkout the code runs from (+dirty), else the package version."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return f"adaflash-{__version__}"
-    return f"{sha}+dirty" if dirty else sha
-
-
-def _v(version: Any) -> str:
-    # SQLite-backed stores hand back ints, the REST API strings: one type everywhere.
-    return str(version)
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _clip(value: str) -> str:
-    return (
-        value
-        if len(value) <= _MAX_TAG
-        else value[: _MAX_TAG - 40] + f"… (+{len(value) - _MAX_TAG + 40} chars)"
-    )
-
-
-class Lineage(BaseModel):
-    """What a version trained on. Extra keys are kept in `lineage.json`."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    shard_ids: list[str] = Field(default_factory=list, alias="shards")
-    record_count: int = Field(0, alias="n_records")
-    tenants: list[str] = Field(default_factory=list)
-    # "topic:partition" (or any label) -> [first offset, last offset]
-    offsets: dict[str, list[int]] = Field(default_factory=dict)
-
-    def tags(self) -> dict[str, str]:
-        shards = ",".join(self.shard_ids)
-        offsets = ", ".join(f"{k}={v[0]}-{v[-1]}" if v else k for k, v in sorted(self.offsets.items()))
-        return {
-            "adaflash.lineage.records": str(self.record_count),
-            "adaflash.lineage.shard_count": str(len(self.shard_ids)),
-            "adaflash.lineage.shards": _clip(shards),
-            "adaflash.lineage.tenants": _clip(",".join(sorted(self.tenants))),
-            "adaflash.lineage.offsets": _clip(offsets),
-        }
-
-
-def _flatten(metrics: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-@dataclass
-class VersionInfo:
-    model_name: str
-    version: str
-    aliases: list[str]
-    status: str
-    approval: str | None
-    created_at: datetime
-    source: str
-    run_id: str | None
-    code_version: str | None
-    metrics: dict[str, str]
-    lineage: dict[str, str]
-    description: str
-    tags: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class ActionRecord:
-    at: datetime
-    action: str
-    version: str
-    who: str
-    reason: str
-    alias: str | None
-    replaced_version: str | None
-    event_id: str
-    event_published: bool
-    run_id: str
-
-
-class RegistryClient:
-    """A typed registry for one target's drafters over `mlflow.MlflowClient`."""
-
-    def __init__(
-        self,
-        tracking_uri: str,
-        target_fingerprint: str,
-        target_name: str = "",
-        *,
-        bootstrap_servers: str | None = None,
-        model_name: str | None = None,
-        download_dir: Path | None = None,
-        check_drafter: Callable[[Path], None] | None = None,
-    ) -> None:
-        """`check_drafter(dir)`: the full checkpoint check the servers run on reload (load every
-        tensor, match the target); `register` runs it before creating a version and refuses a
-        drafter it raises on. The registry stays a client of MLflow: the caller supplies it."""
-        self.check_drafter = check_drafter
-        # Process-wide MLflow knobs, set only if the user has not: few HTTP retries (the default
-        # backoff retries a dead server for minutes), no progress bars in CLI output.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        self.tracking_uri = tracking_uri.rstrip("/")
-        if self.tracking_uri.startswith("http") and not health(self.tracking_uri):
-            raise RegistryUnavailableError(
-                f"MLflow at {self.tracking_uri} is unreachable: start it with "
-                "`adaflash registry server start` or pass --tracking-uri"
-            )
-        from mlflow import MlflowClient
-
-        self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
-        self.target_fingerprint = target_fingerprint
-        self.target_name = target_name
-        self.model_name = model_name or model_name_for(target_fingerprint)
-        self.publisher = EventPublisher(bootstrap_servers)
-        self.download_dir = download_dir or (
-            Path(os.environ.get("ADAFLASH_HOME", ".adaflash")) / "registry" / "downloads"
-        )
-
-    def close(self) -> None:
-        self.publisher.close()
-
-    def __enter__(self) -> RegistryClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- MLflow plumbing ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _mlflow(self, what: str) -> Iterator[None]:
-        """Turn MLflow's transport and not-found errors into one-line registry errors."""
-        from mlflow.exceptions import MlflowException
-        from requests.exceptions import RequestException
-
-        try:
-            yield
-        except MlflowException as e:
-            msg = str(e.message).splitlines()[0] if e.message else type(e).__name__
-            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
-                raise UnknownVersionError(f"{what}: {msg}") from None
-            if "Max retries exceeded" in msg or "Connection" in msg:
-                raise RegistryUnavailableError(
-                    f"MLflow at {self.tracking_uri} stopped answering ({what})"
-                ) from None
-            raise RegistryError(f"{what} failed: {msg}") from None
-        except RequestException:
-            raise RegistryUnavailableError(
-                f"MLflow at {self.tracking_uri} stopped answering ({what})"
-            ) from None
-
-    def _ensure_model(self) -> None:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self._client.get_registered_model(self.model_name)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            with self._mlflow("create registered model"):
-                self._client.create_registered_model(
-                    self.model_name,
-                    tags={T_FINGERPRINT: self.target_fingerprint, T_TARGET: self.target_name},
-                    description=(
-                        f"AdaFlash drafters for target {self.target_name or '?'} "
-                        f"(fingerprint {self.target_fingerprint}). Aliases: champion = served, "
-                        "challenger = latest candidate, previous_champion = what rollback restores. "
-                        "Approve a pending challenger by setting its tag adaflash.approval=approved."
-                    ),
-                )
-
-    def _experiment_id(self) -> str:
-        # One experiment per registered model: its runs are the drafters' registration runs and the
-        # append-only action history.
-        exp = self._client.get_experiment_by_name(self.model_name)
-        if exp is not None:
-            return exp.experiment_id
-        return self._client.create_experiment(
-            self.model_name, tags={T_FINGERPRINT: self.target_fingerprint, T_TARGET: self.target_name}
-        )
-
-    def _aliases(self) -> dict[str, str]:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            rm = self._client.get_registered_model(self.model_name)
-        except MlflowException as e:
-            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return {}
-            raise
-        return {a: _v(v) for a, v in rm.aliases.items()}
-
-    def _model_version(self, version: str):
-        from mlflow.exceptions import MlflowException
-
-        with self._mlflow(f"{self.model_name} version {version}"):
-            try:
-                return self._client.get_model_version(self.model_name, version)
-            except MlflowException as e:
-                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-        raise UnknownVersionError(f"{self.model_name} has no version {version} (`adaflash registry list`)")
-
-    def _set_tags(self, version: str, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self._client.set_model_version_tag(self.model_name, version, k, v)
-
-    def _set_alias(self, alias: str, version: str | None) -> None:
-        from mlflow.exceptions import MlflowException
-
-        if version is not None:
-            self._client.set_registered_model_alias(self.model_name, alias, version)
-            return
-        try:
-            self._client.delete_registered_model_alias(self.model_name, alias)
-        except MlflowException:
-            pass  # already absent
-
-    def _info(self, mv, aliases: dict[str, str]) -> VersionInfo:
-        version = _v(mv.version)
-        tags = dict(mv.tags or {})
-        return VersionInfo(
-            model_name=self.model_name,
-            version=version,
-            aliases=sorted(a for a, v in aliases.items() if v == version),
-            status=tags.get(T_STATUS, "registered"),
-            approval=tags.get(T_APPROVAL),
-            created_at=datetime.fromtimestamp(mv.creation_timestamp / 1000, UTC),
-            source=mv.source,
-            run_id=mv.run_id or None,
-            code_version=tags.get(T_CODE),
-            metrics={
-                k.removeprefix("adaflash.metric."): v
-                for k, v in tags.items()
-                if k.startswith("adaflash.metric.")
-            },
-            lineage={
-                k.removeprefix("adaflash.lineage."): v
-                for k, v in tags.items()
-                if k.startswith("adaflash.lineage.")
-            },
-            description=mv.description or "",
-            tags=tags,
-        )
-
-    # -- reads ------------------------------------------------------------------------------------------
-    def resolve(self, ref: str | int) -> str:
-        """A version number ("3", 3, "v3") or an alias ("champion") -> an existing version string."""
-        ref = _v(ref).strip()
-        if ref.removeprefix("v").isdigit():
-            version = ref.removeprefix("v")
-            self._model_version(version)
-            return version
-        aliases = self._aliases()
-        if ref not in aliases:
-            known = ", ".join(f"{a}=v{v}" for a, v in sorted(aliases.items())) or "none"
-            raise UnknownVersionError(
-                f"{self.model_name} has no version with alias {ref!r} (aliases: {known})"
-            )
-        return aliases[ref]
-
-    def versions(self) -> list[VersionInfo]:
-        """Every version, newest first, with its aliases."""
-        with self._mlflow("list versions"):
-            aliases = self._aliases()
-            mvs = self._client.search_model_versions(f"name = '{self.model_name}'")
-        infos = [self._info(mv, aliases) for mv in mvs]
-        return sorted(infos, key=lambda i: int(i.version), reverse=True)
-
-    def show(self, ref: str | int) -> VersionInfo:
-        version = self.resolve(ref)
-        with self._mlflow("show version"):
-            # get_model_version returns aliases, but the registered model's map is the one source.
-            return self._info(self._model_version(version), self._aliases())
-
-    def champion(self) -> str | None:
-        return self._aliases().get(CHAMPION)
-
-    def pending_approvals(self) -> list[VersionInfo]:
-        return [v for v in self.versions() if (v.approval or "").lower() == PENDING]
-
-    def history(self) -> list[ActionRecord]:
-        """Every recorded action, oldest first."""
-        with self._mlflow("read history"):
-            exp = self._client.get_experiment_by_name(self.model_name)
-            if exp is None:
-                return []
-            runs, token = [], None
-            while True:
-                page = self._client.search_runs(
-                    [exp.experiment_id], filter_string=f"tags.`{T_ACTION}` != ''", page_token=token
-                )
-                runs.extend(page)
-                token = page.token
-                if not token:
-                    break
-        out = []
-        for r in runs:
-            t = r.data.tags
-            out.append(
-                ActionRecord(
-                    at=datetime.fromisoformat(t["adaflash.at"]),
-                    action=t[T_ACTION],
-                    version=t.get("adaflash.version", ""),
-                    who=t.get("adaflash.who", ""),
-                    reason=t.get("adaflash.reason", ""),
-                    alias=t.get("adaflash.alias") or None,
-                    replaced_version=t.get(T_REPLACED) or None,
-                    event_id=t.get("adaflash.event_id", ""),
-                    event_published=t.get("adaflash.event_published") == "true",
-                    run_id=r.info.run_id,
-                )
-            )
-        return sorted(out, key=lambda a: a.at)
+class RegistryClient(RegistryReader):
+    """A typed registry for one target's drafters over `mlflow.MlflowClient`: the reads of
+    `RegistryReader`, and the actions — register, promote, approve, sync, roll back, download —
+    each recorded (tags, description, history run) and published as a `DrafterEvent`."""
 
     # -- recording -----------------------------------------------------------------------------------------
     def _record(
@@ -467,11 +115,11 @@ class RegistryClient:
         )
         for v, verb in (noted or {version: action}).items():
             self._set_tags(v, {f"adaflash.{verb}_by": who, f"adaflash.{verb}_at": at,
-                               f"adaflash.{verb}_reason": _clip(reason)})  # fmt: skip
+                               f"adaflash.{verb}_reason": clip_tag(reason)})  # fmt: skip
             note = line if v == version and verb == action else f"{at[:19]}Z {verb} by {who}: {reason}"
             desc = mv.description if v == version else self._model_version(v).description
             self._client.update_model_version(
-                self.model_name, v, description=_clip(((desc or "") + "\n" + note).strip())
+                self.model_name, v, description=clip_tag(((desc or "") + "\n" + note).strip())
             )
         # The history run is written before publishing so a broker outage cannot lose the record;
         # its published flag is updated after.
@@ -479,7 +127,7 @@ class RegistryClient:
             T_ACTION: action,
             "adaflash.version": version,
             "adaflash.who": who,
-            "adaflash.reason": _clip(reason),
+            "adaflash.reason": clip_tag(reason),
             "adaflash.at": at,
             "adaflash.alias": alias or "",
             T_REPLACED: replaced or "",
@@ -537,7 +185,7 @@ class RegistryClient:
         except ValidationError as e:
             err = e.errors()[0]
             raise RegistryError(f"lineage field {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-        flat = _flatten(metrics or {})
+        flat = flatten_metrics(metrics or {})
         code = code_version or current_code_version()
         who = who or default_who()
         with self._mlflow("register drafter"):
@@ -552,7 +200,7 @@ class RegistryClient:
             run_id = run.info.run_id
             self._client.log_artifacts(run_id, str(d), DRAFTER_ARTIFACT)
             self._client.log_dict(run_id, lin.model_dump(mode="json"), "lineage.json")
-            ts = int(_now().timestamp() * 1000)
+            ts = int(now_utc().timestamp() * 1000)
             numeric = [Metric(k, float(v), ts, 0) for k, v in flat.items() if isinstance(v, int | float)]
             if numeric:
                 self._client.log_batch(run_id, metrics=numeric)
@@ -562,7 +210,7 @@ class RegistryClient:
                 T_STATUS: CHALLENGER if as_challenger else "registered",
                 **lin.tags(),
                 **{
-                    f"adaflash.metric.{k}": _clip(f"{v:.6g}" if isinstance(v, float) else str(v))
+                    f"adaflash.metric.{k}": clip_tag(f"{v:.6g}" if isinstance(v, float) else str(v))
                     for k, v in flat.items()
                 },
             }
@@ -575,7 +223,7 @@ class RegistryClient:
                 tags=tags,
                 description="",
             )
-            version = _v(mv.version)
+            version = as_version(mv.version)
             if as_challenger:
                 old = self._aliases().get(CHALLENGER)
                 if old and old != version:  # the superseded candidate no longer waits for approval
@@ -676,7 +324,7 @@ class RegistryClient:
             except RegistryError as e:  # approved in the UI too late: say why, stop rescanning it
                 log.warning("ignoring the MLflow UI approval of v%s: %s", info.version, e)
                 self._set_tags(
-                    info.version, {T_APPROVAL: "refused", "adaflash.approval_refused": _clip(str(e))}
+                    info.version, {T_APPROVAL: "refused", "adaflash.approval_refused": clip_tag(str(e))}
                 )
                 continue
             champion = info.version

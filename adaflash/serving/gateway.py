@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from adaflash.feedback.schema import FeedbackRecord, Latency, SamplingParams
 from adaflash.models.targets import Vocabulary
-from adaflash.serving.server import ChatMessage, chat_prompt_ids
+from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
 
 
 @dataclass

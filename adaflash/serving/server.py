@@ -20,63 +20,36 @@ import dataclasses
 import hmac
 import json
 import logging
-import re
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaflash.errors import CheckpointError, InputError
 from adaflash.serving.engine import SEED_MAX, SEED_MIN, Engine, EngineFailed, GenParams, Request
 from adaflash.serving.metrics import ServingMetrics
+from adaflash.serving.protocol import (
+    ERROR_TYPES,
+    MAX_STOP,
+    UNSUPPORTED_FIELDS,
+    ChatBody,
+    CompletionBody,
+    ModelNotFound,
+    ReloadBody,
+    RequestBody,
+    chat_prompt_ids,
+    check_text,
+    error_response,
+)
 from adaflash.serving.reload import DrafterReloader
 from adaflash.serving.scheduler import QueueFull
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
-
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM/SGLang extension; 0 or -1: no filter
-    n: int | None = None
-    stream: bool = False
-    seed: int | None = None
-    user: str | None = None
-    stop: str | list[str] | None = None
-    method: str | None = None
-    domain: str | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-class ReloadBody(BaseModel):
-    path: str
-    version: str | None = None
 
 
 @dataclass
@@ -88,92 +61,6 @@ class ServerSettings:
 
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOP = 4  # OpenAI's limit on stop sequences
-_SURROGATE = re.compile("[\ud800-\udfff]")
-# Fields the engine cannot honour: refused with a 400 rather than silently ignored. Each maps to
-# the values that mean "off" (those are accepted).
-_UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "functions": (None, []),
-}
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
-
-
-class ModelNotFound(InputError):
-    """The request names a model this server does not serve (OpenAI answers 404)."""
-
-
-def _error(
-    status: int,
-    message: str,
-    kind: str = "invalid_request_error",
-    headers: dict | None = None,
-    code: str | None = None,
-):
-    """The OpenAI error object; the message is made encodable whatever the client sent."""
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    err = {"message": message, "type": kind, "param": None, "code": code}
-    return JSONResponse({"error": err}, status_code=status, headers=headers)
-
-
-def check_text(value: Any, where: str = "request") -> None:
-    """Every string in a parsed JSON value must be valid Unicode text (JSON lets a client send a
-    lone surrogate such as "\\ud800", which no tokenizer can encode). Iterative: any depth."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                raise InputError(f"{where} contains a lone UTF-16 surrogate: not valid Unicode text")
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list | tuple):
-            stack.extend(v)
-
-
-def _message_text(m: ChatMessage, i: int) -> str:
-    if m.role not in ROLES:
-        raise InputError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-    content = m.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for j, part in enumerate(content):  # OpenAI content parts: text only
-        if part.get("type") != "text":
-            raise InputError(f"messages[{i}].content[{j}]: only text content parts are supported")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InputError(f"messages[{i}].content[{j}].text must be a string")
-        parts.append(text)
-    return "".join(parts)
-
-
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of a conversation through the target's chat template (ours for `tiny`)."""
-    msgs = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
-    hf = getattr(tokenizer, "tok", None)
-    if hf is not None and getattr(hf, "chat_template", None):
-        try:
-            text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - jinja's raise_exception(): the client's conversation
-            raise InputError(f"the chat template rejected the conversation: {exc}") from None
-        return tokenizer.encode(text)
-    if len(msgs) == 1 and msgs[0]["role"] == "user":
-        return tokenizer.chat_prompt(msgs[0]["content"])
-    bos = [tokenizer.BOS] if hasattr(tokenizer, "BOS") else []
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
-    return bos + tokenizer.encode(text)
 
 
 class _Stream:
@@ -243,7 +130,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     app.state.engine, app.state.metrics, app.state.reloader = engine, metrics, reloader
     tok = engine.target.tokenizer
 
-    def gen_params(body: _Body) -> tuple[GenParams, int]:
+    def gen_params(body: RequestBody) -> tuple[GenParams, int]:
         """Validate the request's fields and build its sampling parameters — before anything is
         encoded, decoded or seeded."""
         if body.model is not None and body.model != settings.model_name:
@@ -252,7 +139,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             )
         check_text(body.model_dump(), "the request")
         extra = body.model_extra or {}
-        for name, off in _UNSUPPORTED.items():
+        for name, off in UNSUPPORTED_FIELDS.items():
             if name in extra and extra[name] not in off:
                 raise InputError(f"{name} is not supported by this server")
         fmt = extra.get("response_format")
@@ -292,7 +179,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
         return (seed + i - SEED_MIN) % span + SEED_MIN
 
     def make_request(
-        params: GenParams, body: _Body, prompt_ids, prompt_text: str, http: HttpRequest
+        params: GenParams, body: RequestBody, prompt_ids, prompt_text: str, http: HttpRequest
     ) -> Request:
         tenant = http.headers.get("x-tenant-id") or body.user or "anonymous"
         consent = http.headers.get("x-feedback-consent", "true").strip().lower() not in ("0", "false", "no")
@@ -330,10 +217,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             return None
         if all(r.error_kind == "invalid" for r in bad):
             metrics.rejected.labels("invalid").inc()
-            return _error(400, bad[0].error)
-        return _error(500, bad[0].error, "server_error")
+            return error_response(400, bad[0].error)
+        return error_response(500, bad[0].error, "server_error")
 
-    async def serve(body: _Body, params: GenParams, n: int, http: HttpRequest, prompt_ids, prompt_text, chat):
+    async def serve(
+        body: RequestBody, params: GenParams, n: int, http: HttpRequest, prompt_ids, prompt_text, chat
+    ):
         stream = _Stream(asyncio.get_running_loop())
         reqs: list[Request] = []
         try:
@@ -344,17 +233,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
                 engine.submit(req)
                 reqs.append(req)
         except EngineFailed as e:
-            return _error(503, str(e), "server_error")
+            return error_response(503, str(e), "server_error")
         except QueueFull as e:
             for r in reqs:
                 engine.cancel(r.request_id)
             metrics.rejected.labels("queue_full").inc()
-            return _error(429, str(e), "rate_limit_error", {"Retry-After": str(e.retry_after)})
+            return error_response(429, str(e), "rate_limit_error", {"Retry-After": str(e.retry_after)})
         except InputError as e:
             for r in reqs:
                 engine.cancel(r.request_id)
             metrics.rejected.labels("invalid").inc()
-            return _error(400, str(e))
+            return error_response(400, str(e))
         rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].request_id
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -461,8 +350,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     def refused(e: InputError) -> JSONResponse:
         metrics.rejected.labels("invalid").inc()
         if isinstance(e, ModelNotFound):
-            return _error(404, str(e), code="model_not_found")
-        return _error(400, str(e))
+            return error_response(404, str(e), code="model_not_found")
+        return error_response(400, str(e))
 
     def completion_prompt(p) -> tuple[list[int], str]:
         if isinstance(p, list) and not p:
@@ -510,7 +399,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != settings.model_name:
-            return _error(404, f"The model {model_id!r} does not exist", code="model_not_found")
+            return error_response(404, f"The model {model_id!r} does not exist", code="model_not_found")
         return model_card()
 
     @app.exception_handler(RequestValidationError)
@@ -520,19 +409,19 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
         for e in exc.errors()[:5]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             msgs.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
-        return _error(400, "invalid request: " + "; ".join(msgs))
+        return error_response(400, "invalid request: " + "; ".join(msgs))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: HttpRequest, exc: StarletteHTTPException):
-        kind = _ERROR_TYPES.get(
+    async def httperror_response(_: HttpRequest, exc: StarletteHTTPException):
+        kind = ERROR_TYPES.get(
             exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
         )
-        return _error(exc.status_code, str(exc.detail), kind, getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), kind, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: HttpRequest, exc: Exception):
+    async def internalerror_response(_: HttpRequest, exc: Exception):
         log.exception("unhandled error in a request handler")
-        return _error(500, f"internal server error: {type(exc).__name__}", "server_error")
+        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
 
     @app.get("/health")
     async def health():
@@ -559,16 +448,18 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     @app.post("/admin/drafter/reload")
     async def reload(body: ReloadBody, http: HttpRequest):
         if not settings.admin_token:
-            return _error(403, "the admin API is disabled: set ADAFLASH_ADMIN_TOKEN", "permission_error")
+            return error_response(
+                403, "the admin API is disabled: set ADAFLASH_ADMIN_TOKEN", "permission_error"
+            )
         auth = http.headers.get("authorization", "")
         given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         if not hmac.compare_digest(given.encode(), settings.admin_token.encode()):
-            return _error(401, "missing or wrong bearer token", "authentication_error")
+            return error_response(401, "missing or wrong bearer token", "authentication_error")
         previous = engine.drafter_version
         try:
             version = await asyncio.wrap_future(reloader.reload(body.path, body.version))
         except CheckpointError as e:
-            return _error(422, f"reload rejected, still serving {previous}: {e}", "checkpoint_error")
+            return error_response(422, f"reload rejected, still serving {previous}: {e}", "checkpoint_error")
         return {"status": "staged", "version": version, "previous": previous}
 
     return app

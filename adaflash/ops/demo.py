@@ -108,7 +108,7 @@ def _wait(what: str, check: Callable[[], object], timeout: float, every: float =
 
 class Scenario:
     def __init__(self, cfg: ScenarioConfig, console: Console) -> None:
-        from adaflash.stack import Stack, StackConfig
+        from adaflash.ops.stack import Stack, StackConfig
 
         self.cfg, self.console = cfg, console
         # MLflow's INFO lines would interleave the story; it reads the level when first imported.

@@ -73,7 +73,7 @@ def _engine(target: Target, bundle: DrafterBundle | None, spec: AdaptationSpec, 
 
 def _serve(target, bundle, method: str, ids: list[list[int]], spec, tenants):
     """One cell: returns (cell metrics, outputs, feedback records of the finished requests)."""
-    from adaflash.serving.bench import run_cell
+    from adaflash.bench.serving import run_cell
     from adaflash.serving.feedback_emitter import build_record
 
     engine = _engine(target, bundle, spec, max(len(x) for x in ids))
@@ -111,7 +111,7 @@ class _Loop:
     """One learner's closed loop: its own governance dir, buffer, lineage and drafter lineage."""
 
     def __init__(self, name: str, target: Target, bootstrap: Path, work: Path, scrubber) -> None:
-        from adaflash.governance.service import GovernanceConfig, Governor
+        from adaflash.governance.governor import GovernanceConfig, Governor
 
         self.name, self.target = name, target
         self.loss, self.method = LEARNERS[name]
@@ -124,7 +124,7 @@ class _Loop:
         self.offset = 0
 
     def govern(self, records) -> dict:
-        from adaflash.governance.service import Message
+        from adaflash.governance.governor import Message
 
         msgs = []
         for rec in records:

@@ -23,8 +23,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.pii import PiiScrubber
-from adaflash.governance.service import GovernanceConfig, Governor, Message
 from adaflash.governance.synthetic import TrafficGenerator
 from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import default_data_dir, load_prompts

@@ -1,0 +1,133 @@
+"""`adaflash pipeline ...`: compile the continual-training pipeline, run it locally (kfp.local),
+schedule it on a Kubeflow cluster, or watch the buffer and run it when enough data arrived."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from adaflash.cli._common import BootstrapOpt, GovDirOpt, TargetOpt, console, governance_state
+from adaflash.errors import InputError
+
+app = typer.Typer()
+pipeline_app = typer.Typer(
+    no_args_is_help=True, help="The continual-training pipeline (Kubeflow Pipelines v2)."
+)
+app.add_typer(pipeline_app, name="pipeline")
+PIPELINE_IR = Path("manifests/pipelines/continual_training.yaml")
+
+
+@pipeline_app.command("compile")
+def pipeline_compile(out: Annotated[Path, typer.Option(help="IR YAML to write")] = PIPELINE_IR) -> None:
+    """Compile the pipeline to KFP IR YAML (committed; CI checks it for drift)."""
+    from adaflash.pipelines.continual import compile_pipeline
+
+    console.print(f"wrote {compile_pipeline(out)}")
+
+
+@pipeline_app.command("run")
+def pipeline_run(
+    target: TargetOpt = "smollm2",
+    fallback_drafter: Annotated[
+        Path, typer.Option(help="champion to warm-start from until the registry has one")
+    ] = Path("drafters/smollm2"),
+    tracking_uri: Annotated[
+        str, typer.Option(help="MLflow tracking/registry server")
+    ] = "http://127.0.0.1:5000",
+    bootstrap_servers: BootstrapOpt = "",
+    data_dir: GovDirOpt = None,
+    min_records: Annotated[int, typer.Option(help="new clean records a run needs")] = 128,
+    loss: Annotated[str, typer.Option(help="opd | osd | fkl")] = "opd",
+    epochs: Annotated[int, typer.Option()] = 2,
+    gate_mode: Annotated[
+        str, typer.Option(help="auto: promote a winner; manual: leave it pending approval")
+    ] = "auto",
+    min_gain: Annotated[float, typer.Option(help="required gain over the champion")] = 0.02,
+    gate_metric: Annotated[
+        str, typer.Option(help="tau_full (full-block τ; served τ guarded) | tau (served) | tps")
+    ] = "tau_full",
+    concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = 64,
+    pipeline_root: Annotated[Path, typer.Option(help="kfp.local artifacts")] = Path(".adaflash/kfp"),
+) -> None:
+    """Run the pipeline locally through kfp.local (every component in this environment)."""
+    from adaflash.pipelines.continual import run_local
+
+    gov = governance_state(data_dir).resolve()
+    try:
+        run_local(
+            pipeline_root,
+            target=target,
+            governance_dir=str(gov),
+            tracking_uri=tracking_uri,
+            fallback_drafter=str(fallback_drafter.resolve()),
+            bootstrap_servers=bootstrap_servers,
+            min_records=min_records,
+            loss=loss,
+            epochs=epochs,
+            gate_mode=gate_mode,
+            gate_metric=gate_metric,
+            min_gain=min_gain,
+            concurrency=concurrency,
+            max_new_tokens=max_new_tokens,
+        )
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    console.print(f"pipeline finished; run log: {gov / 'pipeline_runs.jsonl'}")
+
+
+@pipeline_app.command("schedule")
+def pipeline_schedule(
+    host: Annotated[str, typer.Option(help="Kubeflow Pipelines API endpoint (ml-pipeline-ui / ml-pipeline)")],
+    target: Annotated[str, typer.Option(help="target as the pipeline pods see it")] = "/models/target",
+    cron: Annotated[str, typer.Option(help="KFP cron with seconds field")] = "0 0 2 * * *",
+    governance_dir: Annotated[
+        str, typer.Option(help="governance dir as mounted in the cluster")
+    ] = "/data/governance",
+    tracking_uri: Annotated[str, typer.Option(help="MLflow as seen from the cluster")] = "http://mlflow:5000",
+    fallback_drafter: Annotated[
+        str, typer.Option(help="used until the registry has a champion")
+    ] = "/data/governance/drafters/bootstrap",
+    bootstrap_servers: BootstrapOpt = "kafka:9092",
+    gate_mode: Annotated[str, typer.Option(help="auto | manual")] = "manual",
+) -> None:
+    """Create a recurring run of the committed IR on a Kubeflow cluster (kfp.Client)."""
+    from adaflash.pipelines.schedule import schedule_recurring_run
+
+    params = {
+        "target": target,
+        "governance_dir": governance_dir,
+        "tracking_uri": tracking_uri,
+        "fallback_drafter": fallback_drafter,
+        "bootstrap_servers": bootstrap_servers,
+        "gate_mode": gate_mode,
+    }
+    rid = schedule_recurring_run(host, params, cron=cron)
+    console.print(f"recurring run {rid} created ({cron})")
+
+
+@pipeline_app.command("watch")
+def pipeline_watch(
+    target: TargetOpt = "smollm2",
+    data_dir: GovDirOpt = None,
+    min_records: Annotated[int, typer.Option()] = 128,
+    interval: Annotated[float, typer.Option(help="seconds between checks")] = 60.0,
+    max_runs: Annotated[int | None, typer.Option(help="stop after this many runs")] = None,
+    tracking_uri: Annotated[str, typer.Option()] = "http://127.0.0.1:5000",
+    bootstrap_servers: BootstrapOpt = "",
+    fallback_drafter: Annotated[Path, typer.Option()] = Path("drafters/smollm2"),
+) -> None:
+    """Run the pipeline locally whenever enough new clean records exist."""
+    from adaflash.pipelines.schedule import watch
+
+    gov = governance_state(data_dir)
+
+    def run() -> None:
+        pipeline_run(
+            target=target, fallback_drafter=fallback_drafter, tracking_uri=tracking_uri,
+            bootstrap_servers=bootstrap_servers, data_dir=gov, min_records=min_records,
+        )  # fmt: skip
+
+    watch(gov, min_records, run, interval, max_runs, log=lambda m: print(m, flush=True))

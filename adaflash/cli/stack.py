@@ -1,0 +1,146 @@
+"""`adaflash up`, `down`, `status` and `demo`: the embedded stack on one machine, and the whole
+loop run once end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from adaflash.cli._common import (
+    TargetOpt,
+    adaflash_home,
+    console,
+    err_console,
+    option,
+    setup_torch,
+    shared_options,
+)
+from adaflash.errors import InputError
+
+app = typer.Typer()
+
+BrokerPortOpt = Annotated[int, typer.Option(help="Kafka (Tansu) port")]
+RegistryPortOpt = Annotated[int, typer.Option(help="MLflow port")]
+ServePortOpt = Annotated[int, typer.Option(help="OpenAI API port")]
+
+
+def _stack(target: str, drafter: Path | None, broker_port: int, registry_port: int, port: int, watch: bool,
+           min_records: int):  # fmt: skip
+    from adaflash.ops.stack import Stack, StackConfig
+
+    return Stack(
+        StackConfig(
+            home=adaflash_home().resolve(),
+            target=target,
+            drafter=drafter.resolve() if drafter else None,
+            broker_port=broker_port,
+            registry_port=registry_port,
+            serve_port=port,
+            watch=watch,
+            min_records=min_records,
+        )  # fmt: skip
+    )
+
+
+def _print_stack(rows: list[dict]) -> None:
+    t = Table(title=f"AdaFlash stack — {adaflash_home()}")
+    for col in ("service", "running", "pid", "where"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r["service"], "[green]up[/]" if r["running"] else "[red]down[/]", str(r["pid"] or "-"), r["where"]
+        )
+    console.print(t)
+
+
+@app.command()
+def demo(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[
+        Path | None,
+        typer.Option(help="drafter dir (default: the shipped drafters/smollm2; tiny: a quick one)"),
+    ] = None,
+    requests: Annotated[int, typer.Option(help="chat requests of demo traffic")] = 48,
+    max_tokens: Annotated[int, typer.Option(help="tokens per answer")] = 64,
+    epochs: Annotated[int, typer.Option(help="pipeline training epochs")] = 2,
+    home: Annotated[Path, typer.Option(help="the demo's own stack state (wiped first)")] = Path(
+        ".adaflash/demo"
+    ),
+) -> None:
+    """The whole loop once: traffic → governance → pipeline → promotion → reload → lineage → rollback.
+
+    Serves the drafter that ships in git; it never trains one on the fly (a loaded machine would
+    only make that slower, never different)."""
+    from adaflash.ops.demo import Scenario, ScenarioConfig
+
+    setup_torch()
+    if drafter is None:
+        if target != "smollm2":
+            raise InputError("--drafter DIR is required for targets other than smollm2")
+        drafter = Path("drafters/smollm2")
+    if not (drafter / "config.json").exists():
+        raise InputError(
+            f"no drafter at {drafter}: a checkout ships drafters/smollm2 (git status shows whether it "
+            "was deleted); `make bootstrap` rebuilds it"
+        )
+    cfg = ScenarioConfig(
+        target=target, drafter=drafter, home=home, requests=requests, max_tokens=max_tokens, epochs=epochs
+    )
+    Scenario(cfg, console).run()
+
+
+@app.command()
+def up(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[
+        Path | None, typer.Option(help="bootstrap drafter, served until a champion exists")
+    ] = Path("drafters/smollm2"),
+    broker_port: BrokerPortOpt = 9092,
+    registry_port: RegistryPortOpt = 5000,
+    port: ServePortOpt = 8000,
+    watch: Annotated[bool, typer.Option(help="start the pipeline watcher")] = True,
+    min_records: Annotated[int, typer.Option(help="new clean records that trigger a pipeline run")] = 128,
+) -> None:
+    """Start the embedded stack: broker, MLflow, serving engine, governance, pipeline watcher."""
+    if drafter is not None and not (drafter / "config.json").exists():
+        raise InputError(f"no drafter at {drafter}: run `make bootstrap` or pass --drafter DIR")
+    stack = _stack(target, drafter, broker_port, registry_port, port, watch, min_records)
+    with err_console.status("starting") as st:
+        stack.up(progress=lambda name: st.update(f"starting {name}..."))
+    _print_stack(stack.status())
+
+
+def _ports(broker_port: int, registry_port: int, port: int):
+    """The running stack, found by its ports (what `down` and `status` need of it)."""
+    return _stack("smollm2", None, broker_port, registry_port, port, True, 128)
+
+
+stack_ports = shared_options(
+    _ports,
+    [
+        option("broker_port", BrokerPortOpt, 9092),
+        option("registry_port", RegistryPortOpt, 5000),
+        option("port", ServePortOpt, 8000),
+    ],
+)
+
+
+@app.command()
+@stack_ports
+def down(stack) -> None:
+    """Stop everything `adaflash up` started."""
+    stopped = stack.down()
+    console.print("stopped: " + (", ".join(stopped) or "nothing was running"))
+
+
+@app.command()
+@stack_ports
+def status(stack) -> None:
+    """One view of the embedded stack's services."""
+    rows = stack.status()
+    _print_stack(rows)
+    if not all(r["running"] for r in rows):
+        raise typer.Exit(1)
