@@ -54,7 +54,8 @@ def render(m: dict, command: str) -> str:
             f"{' + top-k forward KL' if c['kl_weight'] else ''}, position decay γ={c['position_decay']}, "
             f"peak lr {c['lr']} (warm-up {c['warmup_frac']:.0%} + cosine), {c['seqs_per_step']} sequences × "
             f"{c['anchors_per_seq']} anchors per step, training vocabulary cut to the response tokens "
-            f"({c['vocab_cut']}), bf16 autocast {c['bf16']}.",
+            f"({c['vocab_cut']}; serving drafts over the same tokens, `draft_vocab.json`), "
+            f"bf16 autocast {c['bf16']}.",
             f"- {m['steps']} steps ({m['epochs']} epochs of anchors), {m['train_minutes']} training minutes, "
             f"{m['wall_minutes']} wall minutes on 2 CPU cores.",
             f"- Command: `{command}`",
