@@ -149,3 +149,26 @@ def test_cost_curve_learns_from_steps_and_acceptance_stats_respect_censoring():
     cond = s.conditional()
     assert cond[0] == 1.0 and cond[1] == pytest.approx(0.5)
     assert s.tried[2] == 0 and cond[2] == s.prior and s.survival()[1] == pytest.approx(0.5)
+
+
+def test_guard_raises_the_price_of_drafts_while_they_deliver_less_than_plain_steps():
+    from adaflash.serving.costs import SpeculationGuard
+
+    g = SpeculationGuard()
+    assert g.want_plain_step(8)  # nothing measured yet: a plain step first
+    g.observe(8, tokens=8, seconds=0.1, speculated=False)  # 80 tok/s plain
+    assert not g.want_plain_step(8)
+    for _ in range(10):
+        g.observe(8, tokens=12, seconds=0.2, speculated=True)  # 60 tok/s with drafts
+    assert g.penalty(8) == pytest.approx(1.15**10, rel=1e-6) and g.penalty(1) == 1.0  # per bucket
+    for _ in range(40):
+        g.observe(8, tokens=30, seconds=0.2, speculated=True)  # 150 tok/s: drafting pays again
+    assert g.penalty(8) == 1.0
+    for _ in range(g.ar_every):
+        g.observe(8, tokens=30, seconds=0.2, speculated=True)
+    assert g.want_plain_step(8)  # the comparison is kept current
+    # The penalty makes the same drafts unattractive to the policy.
+    costs = _costs({1: 0.05, 16: 0.06, 1024: 0.5}, {1: 0.02}, {1: 0.001})
+    cand = Candidate([0.2, 0.1], 2, [], 0)
+    assert choose([cand], costs, 1, 1.0)[0][0].proposer == "ngram"
+    assert choose([cand], costs, 1, 1.0, penalty=20.0)[0][0].proposer == "none"

@@ -3,7 +3,7 @@
   ingest       clean records not yet trained on → a snapshot (train + held-out split) with lineage
   champion     the registry's champion (or the bootstrap drafter before the first promotion)
   train        warm-start from the champion, OPD (or a baseline) on the snapshot → challenger dir
-  shadow_gate  challenger vs champion on the held-out records (same decoder, same prompts, one
+  shadow_gate  challenger vs champion on the held-out records (served on the engine, same prompts, one
                AR reference), then `gate`: promote only when the challenger wins by a margin
                and no domain regresses
   register     the challenger as a registry version with its lineage and shadow metrics; its
@@ -159,40 +159,35 @@ def shadow_eval(
     max_new_tokens: int = 64,
     reference: dict[str, list[int]] | None = None,
 ) -> dict:
-    """Decode the held-out prompts with `drafter_dir` (adaflash, T=0) in batches of `concurrency`
-    with our `SpeculativeDecoder` (not the serving engine's scheduler), per domain.
-
-    Reports τ, mean k̂, target-verified tokens per output token, TPS at `concurrency`, the length
-    head's calibration error against the uncensored label, τ over the full block (`tau_full`), and
-    whether outputs equal the AR reference (lossless check; `reference` maps record id → AR token
-    ids, computed if missing).
+    """Serve the held-out prompts with `drafter_dir` (adaflash, T=0) on the serving engine at
+    `concurrency` (continuous batching, as served), one domain at a time, and report per domain:
+    τ, mean k̂, target-verified tokens per output token, serving TPS, the length head's calibration
+    error against the uncensored label, τ over the full block (`tau_full`), and whether outputs
+    equal the AR reference (lossless check; `reference` maps record id → AR token ids, computed on
+    the same engine if missing).
     """
     from adaflash.models.checkpoint import load_drafter_for
-    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
 
     bundle = load_drafter_for(drafter_dir, target)
-    prompts = [(r.record.record_id, r.record.domain or "unknown", r.record.prompt_token_ids) for r in heldout]
+    prompts = prompts_of(heldout)
     if reference is None:
         reference = ar_reference(target, prompts, concurrency, max_new_tokens)
-    dec = SpeculativeDecoder(target, bundle)
-    cfg = DecodeConfig("adaflash", max_new_tokens=max_new_tokens)
     acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     lossless = True
-    for i in range(0, len(prompts), concurrency):
-        chunk = prompts[i : i + concurrency]
-        t = time.perf_counter()
-        results = dec.generate([p for _, _, p in chunk], cfg)
-        seconds = time.perf_counter() - t
-        for (rid, dom, _), res in zip(chunk, results, strict=True):
-            lossless &= res.token_ids == reference[rid]
+    for dom in sorted({d for _, d, _ in prompts}):
+        chunk = [p for p in prompts if p[1] == dom]
+        results, seconds = serve_greedy(target, bundle, "adaflash", chunk, concurrency, max_new_tokens)
+        for (rid, _, _), res in zip(chunk, results, strict=True):
+            lossless &= res.output_ids == reference[rid]
             for key in (dom, "all"):
                 a = acc[key]
                 a["n"] += 1
-                a["tokens"] += len(res.token_ids)
+                a["tokens"] += len(res.output_ids)
                 a["rounds"] += len(res.rounds)
                 a["gained"] += sum(r.accepted + 1 for r in res.rounds)
                 a["verified"] += sum(r.verify_len for r in res.rounds)
-                a["seconds"] += seconds / len(chunk)
+        for key in (dom, "all"):
+            acc[key]["seconds"] += seconds
     domains = {
         d: {
             "n": int(a["n"]),
@@ -224,16 +219,23 @@ def calibration(target, bundle, heldout: list[CleanRecord], reference: dict[str,
     return evaluate_acceptance(bundle.drafter, target.model, passes, starts, domains, bundle.length_head)
 
 
-def ar_reference(target, prompts, concurrency: int, max_new_tokens: int) -> dict[str, list[int]]:
-    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+def serve_greedy(target, bundle, method: str, prompts, concurrency: int, max_new_tokens: int):
+    """(finished requests in prompt order, wall seconds): greedy decoding of (id, domain, prompt
+    ids) on the serving engine with `concurrency` slots — what serving would do with them."""
+    from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 
-    dec = SpeculativeDecoder(target, None)
-    out = {}
-    for i in range(0, len(prompts), concurrency):
-        chunk = prompts[i : i + concurrency]
-        results = dec.generate([p for _, _, p in chunk], DecodeConfig("ar", max_new_tokens=max_new_tokens))
-        out.update({rid: r.token_ids for (rid, _, _), r in zip(chunk, results, strict=True)})
-    return out
+    queue = max(len(prompts), 1)
+    cfg = EngineConfig(method=method, max_running=concurrency, max_queue=queue, calibrate=False)
+    engine = Engine(target, bundle, cfg, "shadow")
+    t0 = time.perf_counter()
+    reqs = [engine.submit(Request(list(p), GenParams(max_tokens=max_new_tokens))) for _, _, p in prompts]
+    engine.run_until_idle()
+    return reqs, time.perf_counter() - t0
+
+
+def ar_reference(target, prompts, concurrency: int, max_new_tokens: int) -> dict[str, list[int]]:
+    reqs, _ = serve_greedy(target, None, "ar", prompts, concurrency, max_new_tokens)
+    return {rid: r.output_ids for (rid, _, _), r in zip(prompts, reqs, strict=True)}
 
 
 def prompts_of(records: list[CleanRecord]) -> list[tuple[str, str, list[int]]]:

@@ -215,30 +215,34 @@ def choose(
     base_tokens: float,
     fixed_drafted: int = 0,
     iterations: int = 3,
+    penalty: float = 1.0,
 ) -> tuple[list[Option], float]:
     """Per candidate the option maximising the step's expected tokens per second (see module
     docstring). `base_rows`/`base_tokens`: what the step does regardless (prefills, other
     methods' verifies, one token per decoding request); `fixed_drafted`: requests of other
     methods that run the drafter anyway (its fixed cost is then already paid). Also returns the
-    expected tokens/second of the chosen plan (λ, the price of a second)."""
+    expected tokens/second of the chosen plan (λ, the price of a second). `penalty` ≥ 1 scales
+    every cost a draft adds: the realised-throughput guard (`SpeculationGuard`) raises it while
+    speculative steps deliver less than plain ones."""
     n = len(cands)
     none = [Option("none", 0, 0.0)] * n
+    base_sec = costs.seconds(base_rows, 0, 0, fixed_drafted)
 
     def total(opts: list[Option]) -> float:
         rows = base_rows + sum(o.drafts for o in opts)
         drafted = sum(o.proposer == "drafter" for o in opts)
         lm = sum(o.drafts for o in opts if o.proposer == "drafter")
-        sec = costs.seconds(rows, drafted, lm, fixed_drafted)
+        sec = base_sec + penalty * (costs.seconds(rows, drafted, lm, fixed_drafted) - base_sec)
         return (base_tokens + sum(o.expected for o in opts)) / max(sec, 1e-9)
 
     best, best_rate = none, total(none)
     lam = best_rate
     for _ in range(iterations):
         extra = max(sum(o.drafts for o in best), n)
-        row_price = (costs.target(base_rows + extra) - costs.target(base_rows)) / extra
-        lm_price = costs.drafter_lm(max(extra, 1)) / max(extra, 1)
+        row_price = penalty * (costs.target(base_rows + extra) - costs.target(base_rows)) / extra
+        lm_price = penalty * costs.drafter_lm(max(extra, 1)) / max(extra, 1)
         per_draft = costs.drafter_block(fixed_drafted + n) - costs.drafter_block(fixed_drafted)
-        per_draft /= max(n, 1)
+        per_draft *= penalty / max(n, 1)
         for allow_drafter in (False, True):
             opts = []
             for c in cands:
@@ -249,6 +253,53 @@ def choose(
                 best, best_rate = opts, rate
         lam = best_rate
     return best, best_rate
+
+
+@dataclass
+class SpeculationGuard:
+    """Never lose to plain decoding, whatever the cost model believes: per concurrency bucket,
+    EMAs of the tokens/second that steps with drafts and steps without them really delivered. While
+    drafting delivers less, the price of every draft grows ×`step_up` per speculative step (up to
+    `max_penalty`); while it delivers more, the price decays back to the model's. Pure plain steps
+    are forced now and then (`ar_every`) so the comparison stays current."""
+
+    step_up: float = 1.15
+    step_down: float = 1.1
+    max_penalty: float = 20.0
+    ar_every: int = 48
+    rate: float = 0.2
+    buckets: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(requests: int) -> int:
+        return min(int(math.log2(max(requests, 1))), 6)
+
+    def state(self, requests: int) -> dict[str, float]:
+        return self.buckets.setdefault(self.bucket(requests), {"penalty": 1.0, "since_ar": 0.0})
+
+    def penalty(self, requests: int) -> float:
+        return self.state(requests)["penalty"]
+
+    def want_plain_step(self, requests: int) -> bool:
+        b = self.state(requests)
+        return "ar" not in b or b["since_ar"] >= self.ar_every
+
+    def observe(self, requests: int, tokens: int, seconds: float, speculated: bool) -> None:
+        if seconds <= 0 or requests <= 0:
+            return
+        b = self.state(requests)
+        key = "spec" if speculated else "ar"
+        r = tokens / seconds
+        b[key] = r if key not in b else (1 - self.rate) * b[key] + self.rate * r
+        if not speculated:
+            b["since_ar"] = 0.0
+            return
+        b["since_ar"] += 1
+        if "ar" in b:
+            if b["spec"] < b["ar"]:
+                b["penalty"] = min(b["penalty"] * self.step_up, self.max_penalty)
+            else:
+                b["penalty"] = max(b["penalty"] / self.step_down, 1.0)
 
 
 def _pick(c: Candidate, lam: float, row_price: float, lm_price: float, per_draft: float | None) -> Option:

@@ -267,7 +267,7 @@ class Engine(StepLoop):
         mean_k = sum(plan.khat) / len(plan.khat) if plan.khat else None
         self.scheduler.observe(len(admitted) + len(decoding), mean_k)
         stats.seconds = time.perf_counter() - t0
-        self.proposer.observe_step(batch.num_rows, t_fwd, stats.seconds)
+        self.proposer.observe_step(batch.num_rows, t_fwd, stats.seconds, plan, stats.emitted, bool(admitted))
         self.last_step = stats
         for obs in self.step_observers:
             obs(stats, self)

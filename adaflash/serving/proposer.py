@@ -29,6 +29,7 @@ from adaflash.serving.costs import (
     Candidate,
     CostCurve,
     Option,
+    SpeculationGuard,
     StepCosts,
     _pick,
     choose,
@@ -61,9 +62,12 @@ class Proposer:
         self.costs = StepCosts(CostCurve(2048), CostCurve(64), CostCurve(512))
         self.stats: dict[str, AcceptanceStats] = {}
         self.mean_a_hat: float | None = None  # running mean of â over drafted rounds (head level)
+        self.guard = SpeculationGuard()
+        self._penalty = 1.0
         self.steps_since_draft = 0
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         self._ngram: dict[int, list[int]] = {}  # this step's n-gram proposals (scored in observe)
+        self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
 
     # --- drafter (install / context) -----------------------------------------------------------
@@ -167,9 +171,12 @@ class Proposer:
             cands = [self._candidate(decoding[i], ngram.get(i, []), k) for i in policy]
             base = base_rows + n + len(fixed) * (k - 1)
             base += sum(len(ngram[i]) for i in range(n) if decoding[i].method == "ngram")
-            chosen, rate = choose(cands, self.costs, base, float(n), fixed_drafted=len(fixed))
+            self._penalty = self.guard.penalty(n)
+            chosen, rate = choose(cands, self.costs, base, float(n), len(fixed), penalty=self._penalty)
             self.steps_since_draft += 1
-            if self.steps_since_draft >= EXPLORE_EVERY:  # keep â and the drafter's stats fresh
+            if self.guard.want_plain_step(n) and len(policy) == n and not base_rows:
+                chosen = [Option("none", 0, 0.0)] * len(policy)  # measure what plain steps deliver
+            elif self.steps_since_draft >= EXPLORE_EVERY:  # keep â and the drafter's stats fresh
                 chosen = [Option("drafter", c.drafter_limit, 0.0) if c.drafter_limit else o
                           for c, o in zip(cands, chosen, strict=True)]  # fmt: skip
             for i, o in zip(policy, chosen, strict=True):
@@ -194,6 +201,7 @@ class Proposer:
                 q[torch.arange(len(drafts_per[i])), torch.tensor(drafts_per[i])] = 1.0
                 probs_per[i] = q
         self._ngram = ngram
+        self._methods = [r.method for r in decoding]
         proposer = [
             "ngram" if opts[i].proposer == "ngram" else "drafter" if i in drafted else "none"
             for i in range(n)
@@ -300,8 +308,8 @@ class Proposer:
         ratio = a / max(self.mean_a_hat, 1e-3)
         cand.drafter_survival = rescaled(self.stats["drafter"].survival(), ratio)[: cand.drafter_limit]
         rows = max(sum(o.drafts for o in opts), 1)
-        row_price = self.costs.target(rows + 1) - self.costs.target(rows)
-        lm_price = self.costs.drafter_lm(rows) / rows
+        row_price = self._penalty * (self.costs.target(rows + 1) - self.costs.target(rows))
+        lm_price = self._penalty * self.costs.drafter_lm(rows) / rows
         o = _pick(cand, rate, max(row_price, 0.0), lm_price, 0.0)
         opts[i] = o
         if o.proposer == "ngram":
@@ -334,9 +342,15 @@ class Proposer:
             r.accept_ema["ngram"] = (1 - MEMORY) * r.accept_ema.get("ngram", hit) + MEMORY * hit
         self._ngram = {}
 
-    def observe_step(self, rows: int, target_seconds: float, step_seconds: float) -> None:
-        """The step's measured target forward (+ logits) and everything else it spent."""
+    def observe_step(
+        self, rows: int, target_seconds: float, step_seconds: float, plan: Plan, emitted: int, prefill: bool
+    ) -> None:
+        """The step's measured target forward (+ logits), everything else it spent, and (for the
+        guard) what a decode-only step delivered, with or without drafts."""
         self.costs.target.observe(rows, target_seconds)
+        if plan.khat and not prefill and all(r == "adaflash-cost" for r in self._methods):
+            speculated = any(p != "none" for p in plan.proposer)
+            self.guard.observe(len(plan.khat), emitted, step_seconds, speculated)
         rest = max(step_seconds - target_seconds - self._draft_seconds, 0.0)
         self.costs.overhead = 0.9 * self.costs.overhead + 0.1 * rest
         self._draft_seconds = 0.0
