@@ -24,15 +24,16 @@ def markdown(result: dict) -> str:
         f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, "
         f"{result['machine']['torch_threads']} torch thread(s), torch {result['machine']['torch']}.",
         "",
-        "| domain | C | method | req | tok/s | speedup | τ | mean k̂ | e2e P50/P95/P99 s | TTFT P50/P95/P99 s "
-        "| ITL P50/P95/P99 ms | TPOT P50 ms | = AR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| domain | C | method | req | tok/s | speedup | tok/CPU-s | speedup per CPU-s | τ | mean k̂ "
+        "| e2e P50/P95/P99 s | TTFT P50/P95/P99 s | ITL P50/P95/P99 ms | TPOT P50 ms | = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         e, t, i = c["e2e_s"], c["ttft_s"], c["itl_s"]
         lines.append(
             f"| {c['domain']} | {c['concurrency']} | {c['method']} | {c['requests']} | {c['tps']:.2f} | "
-            f"{_fmt(c['speedup_vs_ar'])}x | {c['tau']:.3f} | {c['mean_verify_len']:.2f} | "
+            f"{_fmt(c['speedup_vs_ar'])}x | {_fmt(c.get('tps_cpu'))} | {_fmt(c.get('speedup_cpu_vs_ar'))}x | "
+            f"{c['tau']:.3f} | {c['mean_verify_len']:.2f} | "
             f"{_fmt(e['p50'])}/{_fmt(e['p95'])}/{_fmt(e['p99'])} | "
             f"{_fmt(t['p50'])}/{_fmt(t['p95'])}/{_fmt(t['p99'])} | "
             f"{_fmt(_ms(i['p50']), 0)}/{_fmt(_ms(i['p95']), 0)}/{_fmt(_ms(i['p99']), 0)} | "
