@@ -34,6 +34,7 @@ from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
 from adaflash.serving import verifier
 from adaflash.serving.proposer import NGRAM_BLOCK, Proposer, ProposerConfig
+from adaflash.serving.proposer import clock as policy_clock
 from adaflash.serving.request import (  # noqa: F401 - the engine's public names
     DRAFTER_METHODS,
     METHODS,
@@ -204,7 +205,7 @@ class Engine(StepLoop):
         decoding = [r for r in self.scheduler.running.values() if r.status is Status.RUNNING]
         if not admitted and not decoding:
             return None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), policy_clock()
         stats = StepStats(admitted=len(admitted), running=len(admitted) + len(decoding))
         for r in admitted:
             r.status = Status.RUNNING
@@ -217,12 +218,12 @@ class Engine(StepLoop):
         batch = PackedBatch.build(segments)
         speculating = any(r.method in DRAFTER_METHODS for r in admitted + decoding)
         capture = tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
-        t_fwd = time.perf_counter()
+        t_fwd = policy_clock()
         hidden, features = self.runner.forward(batch, capture)
         n_pre = len(admitted)
         first_logits = self.model.logits(hidden[batch.cu[1 : n_pre + 1] - 1]) if admitted else None
         t_logits = self.model.logits(hidden[int(batch.cu[n_pre]) :]) if decoding else None
-        t_fwd = time.perf_counter() - t_fwd
+        t_fwd = policy_clock() - t_fwd
         stats.target_rows = batch.num_rows
         stats.verify_tokens, stats.verify_lens = sum(plan.khat), list(plan.khat)
         stats.proposers = list(plan.proposer)
@@ -267,7 +268,8 @@ class Engine(StepLoop):
         mean_k = sum(plan.khat) / len(plan.khat) if plan.khat else None
         self.scheduler.observe(len(admitted) + len(decoding), mean_k)
         stats.seconds = time.perf_counter() - t0
-        self.proposer.observe_step(batch.num_rows, t_fwd, stats.seconds, plan, stats.emitted, bool(admitted))
+        cpu = policy_clock() - cpu0
+        self.proposer.observe_step(batch.num_rows, t_fwd, cpu, plan, stats.emitted, bool(admitted))
         self.last_step = stats
         for obs in self.step_observers:
             obs(stats, self)
