@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ class ChampionFollower:
         self.fingerprint = target_fingerprint
         self.on_event = on_event
         self.status = FollowerStatus()
+        self.reconcile_s = 5.0  # how often the registry's champion is compared with what is live
+        self._live: str | None = None  # the version this follower last made live
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="champion-follower", daemon=True)
@@ -68,7 +71,8 @@ class ChampionFollower:
             if version is None:
                 return None
             path = reg.download(version)
-        return self.reloader.reload(path, version).result()
+        self._live = self.reloader.reload(path, version).result()
+        return self._live
 
     def _reload(self, event: DrafterEvent) -> str:
         from adaflash.registry.client import RegistryClient
@@ -91,12 +95,39 @@ class ChampionFollower:
             for tp in parts:
                 consumer.position(tp)  # resolve "end" now, so nothing published after start is missed
             self._ready.set()
+            next_check = time.monotonic() + self.reconcile_s
             while not self._stop.is_set():
                 for msgs in consumer.poll(timeout_ms=300).values():
                     for m in msgs:
                         self._handle(m.value)
+                if time.monotonic() >= next_check:
+                    self._reconcile()
+                    next_check = time.monotonic() + self.reconcile_s
         finally:
             consumer.close()
+
+    def _reconcile(self) -> None:
+        """Events alone are not enough: one published while MLflow was down (the download failed),
+        one lost with a restarted memory-only broker, or an alias moved whose event never went
+        out would leave the old drafter serving for good. So every `reconcile_s` the registry's
+        champion is compared with what this follower made live, and applied when they differ."""
+        from adaflash.registry.client import RegistryClient
+
+        try:
+            with RegistryClient(self.tracking_uri, self.fingerprint) as reg:
+                version = reg.champion()
+        except Exception as e:  # noqa: BLE001 - registry down: try again at the next check
+            log.debug("champion check failed: %s", e)
+            return
+        if version is None or version == self._live:
+            return
+        event = DrafterEvent(  # what a promotion's event would have said (type: promoted)
+            type="promoted", model_name=reg.model_name, version=version, alias="champion",
+            target_fingerprint=self.fingerprint, who="champion-follower",
+            reason="reconcile: the registry's champion is not the one being served",
+            artifact_uri="", tracking_uri=self.tracking_uri,
+        )  # fmt: skip
+        self._apply(event)
 
     def _handle(self, payload: bytes) -> None:
         try:
@@ -106,8 +137,12 @@ class ChampionFollower:
             return
         if event.target_fingerprint != self.fingerprint or event.alias != "champion":
             return
+        self._apply(event)
+
+    def _apply(self, event: DrafterEvent) -> None:
         try:
             version = self.apply(event)
+            self._live = version
             self.status.applied.append(version)
             log.info("drafter %s is live (%s by %s: %s)", version, event.type, event.who, event.reason)
         except Exception as e:  # noqa: BLE001 - a bad version must not stop the follower
