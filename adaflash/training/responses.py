@@ -80,7 +80,6 @@ def ensure_responses(
     ids = [tok.chat_prompt(p.text)[-max_prompt_tokens:] for p in todo]
     done = {"prompts": 0, "tokens": 0}
     with path.open("a") as f:
-
         captured: dict[int, object] = {}
 
         def persist(i: int, resp: list[int], complete: bool = True) -> None:
@@ -97,10 +96,17 @@ def ensure_responses(
                 on_progress(report_every, done["tokens"])
 
         # One continuous batch over everything missing; slots refill as responses finish.
-        out = greedy_generate(target.model, ids, max_new_tokens, tok.eos_token_ids, slots=batch_size,
-                              on_done=persist, deadline=deadline,
-                              capture_layers=features.key.layer_ids if features else (),
-                              on_features=captured.__setitem__ if features else None)  # fmt: skip
+        out = greedy_generate(
+            target.model,
+            ids,
+            max_new_tokens,
+            tok.eos_token_ids,
+            slots=batch_size,
+            on_done=persist,
+            deadline=deadline,
+            capture_layers=features.key.layer_ids if features else (),
+            on_features=captured.__setitem__ if features else None,
+        )
         # Responses cut by the deadline are still the target's greedy prefixes: keep the
         # longer ones rather than throw the compute away.
         for i, resp in enumerate(out):
