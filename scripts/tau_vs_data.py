@@ -68,7 +68,10 @@ def main() -> None:
     lines += ["", "| domain | τ gain per doubling of data | bar | response tokens the fit needs |"]
     lines.append("|---|---|---|---|")
     for d, f in fits.items():
-        need = f"{f['tokens_for_bar']:,}" if f["tokens_for_bar"] else "never (no gain)"
+        t = f["tokens_for_bar"]
+        need = "never (no gain)" if not t else f"{t:,}"
+        if t and t >= 1e9:
+            need = f"> 10^{int(math.log10(t))} (out of reach)"
         lines.append(f"| {d} | {f['per_doubling']:+.3f} | {f['bar']} | {need} |")
     (args.out / "tau_vs_data.md").write_text("\n".join(lines) + "\n")
 
