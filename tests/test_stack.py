@@ -81,3 +81,17 @@ def test_up_serves_feeds_governance_and_down_stops_everything(tmp_path, tiny32):
     assert down.returncode == 0 and "serve" in down.stdout and "broker" in down.stdout
     st = _cli(home, "status", *ports)
     assert st.returncode == 1 and st.stdout.count(" down ") == 5  # every service reports down
+
+
+def test_status_of_a_stack_started_without_the_watcher_does_not_expect_one(tmp_path):
+    from adaflash.ops.stack import Stack, StackConfig
+
+    ports = {"broker_port": free_port(), "registry_port": free_port(), "serve_port": free_port()}
+    started = Stack(StackConfig(home=tmp_path, target="tiny", watch=False, **ports))
+    started._layout.parent.mkdir(parents=True)
+    started._layout.write_text(json.dumps({"watch": False}))  # what `up --no-watch` records
+    seen = Stack(StackConfig(home=tmp_path, target="tiny", **ports))  # what `status` rebuilds from ports
+    names = [r["service"] for r in seen.status()]
+    assert "watcher" not in names and {"broker", "registry", "serve", "governance"} <= set(names)
+    started._layout.write_text(json.dumps({"watch": True}))
+    assert "watcher" in [r["service"] for r in seen.status()]

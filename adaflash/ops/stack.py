@@ -152,7 +152,14 @@ class Stack:
                 watch += ["--fallback-drafter", str(cfg.drafter)]
             self.services.append(Service("watcher", _adaflash(*watch), d))
 
+    @property
+    def _layout(self) -> Path:
+        """What `up` started (`down` and `status` only know the ports they are given)."""
+        return self.cfg.home / "stack" / "stack.json"
+
     def up(self, timeout: float = 180.0, progress=lambda name: None) -> None:
+        self._layout.parent.mkdir(parents=True, exist_ok=True)
+        self._layout.write_text(json.dumps({"watch": self.cfg.watch}))
         progress("broker")
         self.broker.start()
         progress("registry")
@@ -175,7 +182,12 @@ class Stack:
             {"service": "broker", "running": b["running"], "pid": b["pid"], "where": b["bootstrap_servers"]},
             {"service": "registry", "running": r.running, "pid": r.pid, "where": r.tracking_uri},
         ]
+        started_watcher = True
+        if self._layout.exists():
+            started_watcher = json.loads(self._layout.read_text()).get("watch", True)
         for s in self.services:
+            if s.name == "watcher" and not started_watcher:
+                continue  # `up --no-watch`: not part of this stack, so never "down"
             where = s.health_url.rsplit("/", 1)[0] if s.health_url else str(s.log_file)
             rows.append({"service": s.name, "running": s.healthy(), "pid": s.pid(), "where": where})
         return rows
