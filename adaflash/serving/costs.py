@@ -175,15 +175,15 @@ class Option:
     expected: float  # expected accepted drafts
 
 
-def best_length(survival: Sequence[float], limit: int, price: float) -> Option:
-    """Drafts m ≤ limit maximising Σ_{j≤m} S_j − price·m (S_j is non-increasing: stop early)."""
+def best_length(survival: Sequence[float], limit: int, price: float) -> tuple[int, float]:
+    """(drafts m ≤ limit maximising Σ_{j≤m} S_j − price·m, their expected accepted drafts)."""
     best_m, best_v, acc = 0, 0.0, 0.0
     for m in range(1, min(limit, len(survival)) + 1):
         acc += survival[m - 1]
         v = acc - price * m
         if v > best_v:
             best_m, best_v = m, v
-    return Option("none", best_m, sum(survival[:best_m]))
+    return best_m, sum(survival[:best_m])
 
 
 @dataclass
@@ -305,14 +305,14 @@ class SpeculationGuard:
 def _pick(c: Candidate, lam: float, row_price: float, lm_price: float, per_draft: float | None) -> Option:
     best, best_v = Option("none", 0, 0.0), 0.0
     if c.ngram_survival:
-        o = best_length(c.ngram_survival, c.ngram_limit, lam * row_price)
-        v = o.expected - lam * row_price * o.drafts
-        if o.drafts and v > best_v:
-            best, best_v = Option("ngram", o.drafts, o.expected), v
+        m, expected = best_length(c.ngram_survival, c.ngram_limit, lam * row_price)
+        v = expected - lam * row_price * m
+        if m and v > best_v:
+            best, best_v = Option("ngram", m, expected), v
     if per_draft is not None and c.drafter_survival:
         price = lam * (row_price + lm_price)
-        o = best_length(c.drafter_survival, c.drafter_limit, price)
-        v = o.expected - price * o.drafts - lam * per_draft
-        if o.drafts and v > best_v:
-            best = Option("drafter", o.drafts, o.expected)
+        m, expected = best_length(c.drafter_survival, c.drafter_limit, price)
+        v = expected - price * m - lam * per_draft
+        if m and v > best_v:
+            best = Option("drafter", m, expected)
     return best

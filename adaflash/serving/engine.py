@@ -76,8 +76,9 @@ class EngineConfig:
     # probe_every − 1 rounds of that request skip the drafter and run as plain AR rounds.
     # 1 = draft every round (the method as published).
     probe_every: int = 1
-    # Time a few forwards at start-up to seed `adaflash-cost`'s cost curves (they also learn
-    # from every step); off: the curves start from the first steps' measurements.
+    # Time a few forwards at start-up to seed `adaflash-cost`'s cost curves when a drafter with a
+    # length head is installed (they also learn from every step); off: the curves start from the
+    # first steps' measurements.
     calibrate: bool = True
 
 
@@ -118,7 +119,9 @@ class Engine(StepLoop):
         self.proposer = Proposer(self.model, ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every),
                                  c.max_running, self.capacity)  # fmt: skip
         self.proposer.install(drafter, drafter_version)
-        if c.calibrate:
+        # Only `adaflash-cost` reads the cost curves, and it needs a length head; a drafter that
+        # arrives later by hot reload starts its curves from the first steps' measurements.
+        if c.calibrate and drafter is not None and drafter.length_head is not None:
             self.proposer.calibrate(self.runner, c.step_token_budget)
         self._staged: tuple[DrafterBundle, str] | None = None
         self._staged_lock = threading.Lock()
@@ -230,8 +233,8 @@ class Engine(StepLoop):
 
         now = time.perf_counter()
         committed_rows: list[torch.Tensor] = []
-        for j, (r, tok) in enumerate(zip(admitted, verifier.sample_first(admitted, first_logits) if admitted
-                                         else [], strict=True)):  # fmt: skip
+        first = verifier.sample_first(admitted, first_logits) if admitted else []
+        for j, (r, tok) in enumerate(zip(admitted, first, strict=True)):
             if r.error is not None:  # this request failed alone; the batch goes on
                 self._finish_failed(r, now)
                 continue

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaflash import kernels
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.length_head import verify_lengths
 from adaflash.models.ngram import propose as ngram_propose
@@ -248,9 +249,9 @@ class Proposer:
         heads = [j for j, r in enumerate(reqs) if r.method != "dflash"]
         if self.config.shadow_a_hat and self.bundle.length_head is not None:
             heads = list(range(len(reqs)))
-        if heads:
-            ah = self.bundle.length_head(hidden[heads])
-            self.costs.drafter_block.observe(len(reqs), clock() - t0)
+        ah = self.bundle.length_head(hidden[heads]) if heads else None
+        self.costs.drafter_block.observe(len(reqs), clock() - t0)  # block forward + length head
+        if ah is not None:
             khat_all = verify_lengths(ah, k, self.config.gamma)
             for pos, j in enumerate(heads):
                 r, i, a = reqs[j], drafted[j], float(ah[pos])
@@ -261,8 +262,6 @@ class Proposer:
                         r.skip_drafts = self.config.probe_every - 1
                 elif r.method == "adaflash-cost":
                     kh[j] = self._refine(r, i, a, opts, ngram, rate) + 1
-        else:
-            self.costs.drafter_block.observe(len(reqs), clock() - t0)
         # A round yields at most k̂ tokens: never verify past max_tokens.
         remaining = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs])
         kh = torch.minimum(kh, remaining)
@@ -325,7 +324,7 @@ class Proposer:
         """Acceptance from this step's verification. The n-gram proposal of a policy request is
         also scored when it was not the one verified: its drafts are compared with the tokens
         the step committed (known up to accepted + 1 of them), which measures lookup for free."""
-        doff = plan.cu - torch.arange(len(decoding) + 1)
+        doff = kernels.draft_offsets(plan.cu)
         for i, r in enumerate(decoding):
             p, drafted = plan.proposer[i], plan.khat[i] - 1
             if p in self.stats and drafted > 0:
