@@ -57,3 +57,18 @@ def make_bundle(target, num_layers=2, block_size=8, seed=0, with_head=True):
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# Governance tests: the tiny target's vocabulary and a Presidio scrubber, one of each per module.
+@pytest.fixture(scope="module")
+def vocab():
+    from adaflash.models.targets import load_vocabulary
+
+    return load_vocabulary("tiny")
+
+
+@pytest.fixture(scope="module")
+def scrubber():
+    from adaflash.governance.pii import PiiScrubber
+
+    return PiiScrubber()

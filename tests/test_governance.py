@@ -25,7 +25,6 @@ from adaflash.feedback import topics
 from adaflash.feedback.schema import CleanRecord, QuarantineRecord
 from adaflash.governance.filters import FilterConfig
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
-from adaflash.governance.pii import PiiScrubber
 from adaflash.governance.pii_spans import Span, replace_spans
 from adaflash.governance.retokenize import scrub_token_ids
 from adaflash.governance.service import GovernanceService
@@ -35,16 +34,6 @@ from adaflash.workloads import load_prompts
 from tests.kafka_util import produce, read_topic, running_broker
 
 FILTERS = FilterConfig(flood_max_per_window=40, dup_max_similar=12)
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return load_vocabulary("tiny")
-
-
-@pytest.fixture(scope="module")
-def scrubber():
-    return PiiScrubber()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.pii import PiiScrubber
 from adaflash.governance.service import GovernanceService
 from adaflash.governance.synthetic import _rounds
-from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import load_prompts
 from tests.kafka_util import produce, read_topic, running_broker
 from tests.pii_canaries import TUNING, Canary
@@ -42,16 +41,6 @@ FILLER = [
     "def total(xs):\n    return sum(x for x in xs if x > 0)\n",
     "The answer is 42. Let me know if anything else is unclear.",
 ]
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return load_vocabulary("tiny")
-
-
-@pytest.fixture(scope="module")
-def scrubber():
-    return PiiScrubber()
 
 
 def _record(vocab, prompt: str, output: str, when: datetime, rng: random.Random) -> FeedbackRecord:

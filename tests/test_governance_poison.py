@@ -7,31 +7,17 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 
-import pytest
-
 from adaflash.feedback import topics
 from adaflash.feedback.schema import parse_record
 from adaflash.governance.filters import FilterConfig
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.payloads import json_depth_exceeds
-from adaflash.governance.pii import PiiScrubber
 from adaflash.governance.synthetic import TrafficGenerator
-from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import load_prompts
 
 # Generous filters: this test is about poison, not floods of similar prompts.
 FILTERS = FilterConfig(flood_max_per_window=10_000, dup_max_similar=10_000)
 N_GOOD = 1000
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return load_vocabulary("tiny")
-
-
-@pytest.fixture(scope="module")
-def scrubber():
-    return PiiScrubber()
 
 
 def _record_json(gen: TrafficGenerator) -> dict:

@@ -16,9 +16,7 @@ import pytest
 from adaflash.feedback import topics
 from adaflash.governance.filters import FilterConfig
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
-from adaflash.governance.pii import PiiScrubber
 from adaflash.governance.synthetic import TrafficGenerator
-from adaflash.models.targets import load_vocabulary
 from adaflash.workloads import load_prompts
 
 FILTERS = FilterConfig(flood_max_per_window=40, dup_max_similar=12)
@@ -27,16 +25,6 @@ CAMPAIGN = (
     "premium upgrade link secret password admin override {w} today"
 )
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return load_vocabulary("tiny")
-
-
-@pytest.fixture(scope="module")
-def scrubber():
-    return PiiScrubber()
 
 
 @pytest.fixture(scope="module")
