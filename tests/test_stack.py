@@ -88,7 +88,7 @@ def test_status_of_a_stack_started_without_the_watcher_does_not_expect_one(tmp_p
 
     ports = {"broker_port": free_port(), "registry_port": free_port(), "serve_port": free_port()}
     started = Stack(StackConfig(home=tmp_path, target="tiny", watch=False, **ports))
-    started._layout.parent.mkdir(parents=True)
+    started._layout.parent.mkdir(parents=True, exist_ok=True)
     started._layout.write_text(json.dumps({"watch": False}))  # what `up --no-watch` records
     seen = Stack(StackConfig(home=tmp_path, target="tiny", **ports))  # what `status` rebuilds from ports
     names = [r["service"] for r in seen.status()]

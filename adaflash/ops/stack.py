@@ -155,7 +155,7 @@ class Stack:
     @property
     def _layout(self) -> Path:
         """What `up` started (`down` and `status` only know the ports they are given)."""
-        return self.cfg.home / "stack" / "stack.json"
+        return self.cfg.home / "stack-layout.json"  # beside, not among, the pid files
 
     def up(self, timeout: float = 180.0, progress=lambda name: None) -> None:
         self._layout.parent.mkdir(parents=True, exist_ok=True)
