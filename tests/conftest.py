@@ -56,6 +56,14 @@ def make_bundle(target, num_layers=2, block_size=8, seed=0, with_head=True):
     return DrafterBundle(d.eval(), h.eval() if with_head else None, meta)
 
 
+def ar_reference(target, prompts, max_new_tokens):
+    """Greedy continuations from the target alone (`greedy_generate`: a padded batch, not the
+    serving engine), eos included: the independent reference every lossless test compares to."""
+    from adaflash.models.generate import greedy_generate
+
+    return greedy_generate(target.model, prompts, max_new_tokens, target.tokenizer.eos_token_ids)
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -13,7 +13,7 @@ from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance, Ro
 from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow
 from adaflash.models.checkpoint import load_drafter_for, save_drafter
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 from adaflash.training.online import OnlineConfig, OnlineTrainer
 from tests.conftest import make_bundle
 
@@ -32,7 +32,7 @@ def serve_into_buffer(target, bundle, gov_dir, n: int, seed: int = 0, max_new: i
         )
         prompts.append(tok.chat_prompt(f"{dom}: {words}"))
         domains.append(dom)
-    results = SpeculativeDecoder(target, bundle).generate(
+    results = OfflineDecoder(target, bundle).generate(
         prompts, DecodeConfig("dflash", max_new_tokens=max_new)
     )
     clean = []

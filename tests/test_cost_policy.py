@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from adaflash.serving.costs import AcceptanceStats, Candidate, CostCurve, StepCosts, choose
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.proposer import EXPLORE_EVERY
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
-from tests.conftest import make_bundle
+from tests.conftest import ar_reference, make_bundle
 from tests.test_speculative import (
     _chi2_pvalue,
     _exact_law,
@@ -47,7 +46,7 @@ def trained(tiny64):
 
 
 def test_cost_policy_is_token_identical_to_ar(tiny64, trained):
-    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(PROMPTS, DecodeConfig("ar", 40))]
+    ref = ar_reference(tiny64, PROMPTS, 40)
     engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=6), "v1")
     reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in PROMPTS]
     engine.run_until_idle()

@@ -9,7 +9,7 @@ import torch
 
 from adaflash.errors import CheckpointError
 from adaflash.models.checkpoint import load_drafter, save_drafter
-from tests.conftest import make_bundle
+from tests.conftest import ar_reference, make_bundle
 
 
 def _perturb(module, scale=0.05, seed=1):
@@ -112,7 +112,6 @@ def test_rejects_mismatched_or_corrupt_checkpoints(tmp_path, tiny32):
 
 def test_draft_vocabulary_round_trips_and_limits_proposals_losslessly(tmp_path, tiny64):
     from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
-    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
 
     b = make_bundle(tiny64, block_size=4, seed=3)
     vocab = torch.arange(0, tiny64.config.vocab_size, 3)  # every third token may be proposed
@@ -120,7 +119,7 @@ def test_draft_vocabulary_round_trips_and_limits_proposals_losslessly(tmp_path, 
     loaded = load_drafter(d, dtype=tiny64.model.dtype)
     assert torch.equal(loaded.draft_vocab, vocab)
     prompts = [[256, *f"v{i}: {'ab' * i}".encode()] for i in range(6)]
-    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(prompts, DecodeConfig("ar", 24))]
+    ref = ar_reference(tiny64, prompts, 24)
     for temperature in (0.0, 0.8):
         engine = Engine(tiny64, loaded, EngineConfig(method="dflash", max_running=4), "v1")
         plans = []

@@ -14,8 +14,7 @@ from adaflash.models.checkpoint import save_drafter
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.reload import DrafterReloader
 from adaflash.serving.scheduler import QueueFull
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
-from tests.conftest import make_bundle
+from tests.conftest import ar_reference, make_bundle
 from tests.test_speculative import (
     _chi2_pvalue,
     _exact_law,
@@ -36,7 +35,7 @@ def trained(tiny64):
 
 @pytest.fixture(scope="module")
 def ar_ref(tiny64):
-    return [r.token_ids for r in SpeculativeDecoder(tiny64).generate(PROMPTS, DecodeConfig("ar", 40))]
+    return ar_reference(tiny64, PROMPTS, 40)
 
 
 def _run(engine: Engine, prompts, max_tokens=40, method=None, stagger=0):
@@ -234,7 +233,7 @@ def test_long_and_short_contexts_attend_in_separate_buckets(tiny64, trained):
     # One 240-token conversation among short ones: decode attention is bucketed by context
     # length (no padding of every request to 240 keys), and outputs stay exact.
     prompts = [PROMPTS[0] * 30, *PROMPTS[1:6]]
-    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(prompts, DecodeConfig("ar", 30))]
+    ref = ar_reference(tiny64, prompts, 30)
     engine = Engine(tiny64, trained, EngineConfig(method="adaflash", max_running=8), "v1")
     reqs = _run(engine, prompts, max_tokens=30)
     assert [r.output_ids for r in reqs] == ref

@@ -117,12 +117,12 @@ def test_fused_loss_and_gradients_match_reference(kind, V):
 
 
 def test_dispatcher_is_on_the_engine_and_trainer_paths(tiny32, monkeypatch):
-    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+    from adaflash.serving.offline import DecodeConfig, OfflineDecoder
     from adaflash.training.losses import drafter_loss
     from tests.conftest import make_bundle
 
     prompts = [[256, *b"hello"], [256, *b"kernels"]]
-    dec = SpeculativeDecoder(tiny32, make_bundle(tiny32))
+    dec = OfflineDecoder(tiny32, make_bundle(tiny32))
     kernels.calls.clear()
     ref_greedy = dec.generate(prompts, DecodeConfig("dflash", 12))
     dec.generate(prompts, DecodeConfig("dflash", 12, temperature=0.8))

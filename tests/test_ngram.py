@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from tests.conftest import ar_reference
 from tests.test_speculative import _chi2_pvalue, _exact_law, _tiny_vocab_target, engine_sample_counts
 
 # Repetitive prompts so that lookup finds matches (and misses) in the prompt and the output.
@@ -11,7 +11,7 @@ PROMPTS = [[256, *f"ab{i % 3}ab{i % 3} {'xyz' * (i % 4)} q{i}: ab".encode()] for
 
 
 def test_ngram_is_token_identical_to_ar_without_a_drafter(tiny64):
-    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(PROMPTS, DecodeConfig("ar", 40))]
+    ref = ar_reference(tiny64, PROMPTS, 40)
     engine = Engine(tiny64, None, EngineConfig(method="ngram", max_running=6))
     reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in PROMPTS]
     engine.run_until_idle()

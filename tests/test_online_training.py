@@ -10,7 +10,7 @@ import torch
 
 from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance, RoundRecord
 from adaflash.models.checkpoint import load_drafter_for
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 from adaflash.training.blocks import sequence_pass
 from adaflash.training.losses import drafter_loss, position_weights
 from adaflash.training.objective import Objective, block_objective
@@ -44,7 +44,7 @@ def _served_records(target, bundle, n=6, max_new=40, method="dflash") -> list[Cl
     """Serve prompts with the speculative decoder and turn the results into clean feedback."""
     tok = target.tokenizer
     prompts = [tok.chat_prompt(f"count to {i} and explain why numbers matter") for i in range(n)]
-    results = SpeculativeDecoder(target, bundle).generate(
+    results = OfflineDecoder(target, bundle).generate(
         prompts, DecodeConfig(method, max_new_tokens=max_new)
     )
     out = []
@@ -136,10 +136,10 @@ def test_online_trainer_improves_acceptance_resumes_and_saves_a_loadable_drafter
     loaded = load_drafter_for(out, tiny32)
     assert loaded.meta.lineage["loss"] == "opd" and len(loaded.meta.lineage["record_ids"]) == 6
     # the trained drafter still decodes losslessly
-    ar = SpeculativeDecoder(tiny32, None).generate(
+    ar = OfflineDecoder(tiny32, None).generate(
         [records[0].record.prompt_token_ids], DecodeConfig("ar", 24)
     )
-    sd = SpeculativeDecoder(tiny32, loaded).generate(
+    sd = OfflineDecoder(tiny32, loaded).generate(
         [records[0].record.prompt_token_ids], DecodeConfig("adaflash", 24)
     )
     assert ar[0].token_ids == sd[0].token_ids

@@ -19,8 +19,7 @@ from adaflash.models.checkpoint import save_drafter
 from adaflash.serving.engine import Engine, EngineConfig
 from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
 from adaflash.serving.server import ServerSettings, ServerThread, create_app
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
-from tests.conftest import make_bundle
+from tests.conftest import ar_reference, make_bundle
 from tests.test_speculative import quick_train
 
 TOKEN = "s3cret"
@@ -92,7 +91,7 @@ async def _ask(client: openai.AsyncOpenAI, i: int, method: str, max_tokens: int)
 
 def _check_parity(target, url: str, n: int, concurrency: int, max_tokens: int) -> None:
     prompts = [_prompt_ids(target, i) for i in range(n)]
-    ref = [r.token_ids for r in SpeculativeDecoder(target).generate(prompts, DecodeConfig("ar", max_tokens))]
+    ref = ar_reference(target, prompts, max_tokens)
     eos = set(target.tokenizer.eos_token_ids)
 
     async def run(method: str):
@@ -122,7 +121,7 @@ def test_overload_answers_429_never_5xx(tiny64, trained):
     queue_bound = 4
     clients = 4 * queue_bound
     prompts = [_prompt_ids(tiny64, i) for i in range(0, 2 * clients, 2)]
-    ref = [r.token_ids for r in SpeculativeDecoder(tiny64).generate(prompts, DecodeConfig("ar", 48))]
+    ref = ar_reference(tiny64, prompts, 48)
     with serving(tiny64, trained, method="dflash", max_running=2, max_queue=queue_bound) as (engine, srv):
 
         async def burst():
@@ -182,7 +181,7 @@ def test_metrics_and_authenticated_hot_reload(tiny64, trained, tmp_path):
     shutil.copytree(good, corrupt)
     (corrupt / "config.json").write_text("{not json")
     ids = _prompt_ids(tiny64, 0)
-    ref = SpeculativeDecoder(tiny64).generate([ids], DecodeConfig("ar", 40))[0].token_ids
+    ref = ar_reference(tiny64, [ids], 40)[0]
     with serving(tiny64, trained, method="adaflash") as (engine, srv), httpx.Client(base_url=srv.url) as c:
         ask = {"prompt": TEXTS[0], "max_tokens": 40, "temperature": 0}
         assert c.post("/v1/completions", json=ask).json()["choices"][0]["token_ids"] == ref

@@ -17,8 +17,7 @@ from scipy.stats import chisquare
 
 from adaflash.serving import verifier
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
-from tests.conftest import make_bundle
+from tests.conftest import ar_reference, make_bundle
 from tests.test_server import serving
 from tests.test_speculative import V, _chi2_pvalue, _flat_drafter, _tiny_vocab_target, quick_train
 
@@ -38,7 +37,7 @@ def server(tiny64, trained):
 
 def _ref(target, text: str, n: int) -> list[int]:
     ids = target.tokenizer.encode(text)
-    return SpeculativeDecoder(target).generate([ids], DecodeConfig("ar", n))[0].token_ids
+    return ar_reference(target, [ids], n)[0]
 
 
 def _post(c: httpx.Client, path: str, body) -> httpx.Response:

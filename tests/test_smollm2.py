@@ -9,7 +9,7 @@ import torch
 
 from adaflash.models.checkpoint import load_drafter_for
 from adaflash.models.targets import load_target, smollm2_dir
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 from adaflash.workloads import DOMAINS, load_prompts
 from tests.conftest import REPO
 
@@ -57,7 +57,7 @@ def test_lossless_greedy_on_heldout_prompts(smollm2_64, bootstrap_drafter):
     prompts = [smollm2_64.tokenizer.chat_prompt(p.text) for d in DOMAINS for p in held[d][-8:]]
     assert len(prompts) >= 20
     bundle = load_drafter_for(bootstrap_drafter, smollm2_64)
-    dec = SpeculativeDecoder(smollm2_64, bundle)
+    dec = OfflineDecoder(smollm2_64, bundle)
     ar = dec.generate(prompts, DecodeConfig("ar", 64))
     # γ = 8 makes AdaFlash verify drafts even when its head predicts little acceptance, so the
     # adaptive path is exercised on real drafts, not only on k̂ = 1 steps.

@@ -15,7 +15,7 @@ from adaflash.errors import InputError
 from adaflash.models.generate import greedy_generate
 from adaflash.models.targets import Target
 from adaflash.models.transformer import TargetConfig, TargetModel
-from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 from adaflash.training.blocks import block_hidden, sequence_pass
 from tests.conftest import make_bundle
 
@@ -48,7 +48,7 @@ PROMPTS = [[256, *b"hello there"], [256, *b"what is 2+2?"], [256, *b"abcabcabc"]
 
 
 def test_greedy_is_token_identical_to_ar_with_zero_partial_and_full_acceptance(tiny64):
-    ar = SpeculativeDecoder(tiny64).generate(PROMPTS, DecodeConfig("ar", 40))
+    ar = OfflineDecoder(tiny64).generate(PROMPTS, DecodeConfig("ar", 40))
     # Our AR is the target itself: same as plain greedy generation.
     assert [r.token_ids for r in ar] == greedy_generate(tiny64.model, PROMPTS, 40)
     seen = {"zero": 0, "partial": 0, "full": 0}
@@ -62,7 +62,7 @@ def test_greedy_is_token_identical_to_ar_with_zero_partial_and_full_acceptance(t
         bundle = make_bundle(tiny64, num_layers=layers, block_size=block, seed=seed)
         if steps:
             quick_train(bundle, tiny64, steps, seed)
-        dec = SpeculativeDecoder(tiny64, bundle)
+        dec = OfflineDecoder(tiny64, bundle)
         for method in ("dflash", "adaflash"):
             out = dec.generate(PROMPTS, DecodeConfig(method, 40))
             for a, s in zip(ar, out, strict=True):
@@ -83,7 +83,7 @@ def test_greedy_is_token_identical_to_ar_with_zero_partial_and_full_acceptance(t
 
 def test_batched_equals_one_by_one(tiny64):
     bundle = quick_train(make_bundle(tiny64, block_size=8, seed=7), tiny64, 40)
-    dec = SpeculativeDecoder(tiny64, bundle)
+    dec = OfflineDecoder(tiny64, bundle)
     batched = dec.generate(PROMPTS, DecodeConfig("adaflash", 30))
     for p, b in zip(PROMPTS, batched, strict=True):
         single = dec.generate([p], DecodeConfig("adaflash", 30))[0]
@@ -94,14 +94,14 @@ def test_batched_equals_one_by_one(tiny64):
 
 
 def test_eos_and_max_new_tokens(tiny64):
-    dec = SpeculativeDecoder(tiny64, make_bundle(tiny64))
+    dec = OfflineDecoder(tiny64, make_bundle(tiny64))
     ar = dec.generate(PROMPTS[:1], DecodeConfig("ar", 25))[0]
     stop = ar.token_ids[10]
     eos_target = Target(
         "tiny", tiny64.model, SimpleNamespace(eos_token_ids=(stop,)), tiny64.fingerprint, tiny64.mask_token_id
     )
     for method in ("ar", "dflash", "adaflash"):
-        r = SpeculativeDecoder(eos_target, make_bundle(tiny64)).generate(
+        r = OfflineDecoder(eos_target, make_bundle(tiny64)).generate(
             PROMPTS[:1], DecodeConfig(method, 25)
         )[0]
         first = ar.token_ids.index(stop)
@@ -111,17 +111,17 @@ def test_eos_and_max_new_tokens(tiny64):
 
 
 def test_bad_requests_are_input_errors(tiny64):
-    dec = SpeculativeDecoder(tiny64, make_bundle(tiny64, with_head=False))
+    dec = OfflineDecoder(tiny64, make_bundle(tiny64, with_head=False))
     with pytest.raises(InputError, match="temperature"):
         dec.generate(PROMPTS, DecodeConfig("dflash", 5, temperature=-1))
     with pytest.raises(InputError, match="temperature"):
         dec.generate(PROMPTS, DecodeConfig("dflash", 5, temperature=float("nan")))
-    with pytest.raises(InputError, match="context window"):
+    with pytest.raises(InputError, match="exceeds the server.s per-request limit"):
         dec.generate([[1] * 1020], DecodeConfig("ar", 10))
     with pytest.raises(InputError, match="length head"):
         dec.generate(PROMPTS, DecodeConfig("adaflash", 5))
     with pytest.raises(InputError, match="needs a drafter"):
-        SpeculativeDecoder(tiny64).generate(PROMPTS, DecodeConfig("dflash", 5))
+        OfflineDecoder(tiny64).generate(PROMPTS, DecodeConfig("dflash", 5))
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _flat_drafter(target):
 
 
 def _sample_counts(target, bundle, prompt, n, temperature, samples=20_000):
-    dec = SpeculativeDecoder(target, bundle)
+    dec = OfflineDecoder(target, bundle, max_running=1024)  # a wide batch: one step serves many
     res = dec.generate([prompt] * samples, DecodeConfig("dflash", n, temperature=temperature, seed=11))
     counts = torch.zeros((V,) * n, dtype=torch.float64)
     for r in res:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
-from adaflash.serving.speculative import METHODS, DecodeConfig, SpeculativeDecoder
+from adaflash.serving.offline import METHODS, DecodeConfig, OfflineDecoder
 from adaflash.workloads import DOMAINS, load_prompts
 
 
@@ -25,7 +25,7 @@ def run_comparison(
     held = load_prompts("heldout")
     # Prompts past the bootstrap's evaluation set: still held-out, and not looked at before.
     prompts = [(d, p) for d in DOMAINS for p in held[d][-per_domain:]]
-    decoder = SpeculativeDecoder(target, bundle)
+    decoder = OfflineDecoder(target, bundle)
     rows: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     for method in METHODS:

@@ -28,22 +28,22 @@ def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="user message (chat template applied)")],
     target: TargetOpt = "smollm2",
     drafter: Annotated[Path | None, typer.Option(help="drafter directory (DFlash format)")] = None,
-    method: Annotated[str, typer.Option(help="ar | dflash | adaflash")] = "adaflash",
+    method: Annotated[str, typer.Option(help="ar | dflash | adaflash | adaflash-cost | ngram")] = "adaflash",
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     max_new_tokens: Annotated[int, typer.Option()] = 128,
     gamma: Annotated[float, typer.Option(help="scales the verify length k̂ = ⌊γ·â·k⌋")] = 1.0,
     seed: Annotated[int, typer.Option()] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Generate a completion with speculative decoding and print it with its stats."""
-    from adaflash.serving.speculative import DecodeConfig, SpeculativeDecoder
+    """Generate one completion on the serving engine and print it with its stats."""
+    from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 
     if method != "ar" and drafter is None:
         raise InputError(f"method {method!r} needs --drafter DIR")
     tgt, bundle = load(target, drafter)
     ids = tgt.tokenizer.chat_prompt(prompt)
     cfg = DecodeConfig(method, max_new_tokens, temperature, gamma, seed)
-    res = SpeculativeDecoder(tgt, bundle).generate([ids], cfg)[0]
+    res = OfflineDecoder(tgt, bundle).generate([ids], cfg)[0]
     text = tgt.tokenizer.decode(res.token_ids)
     stats = {
         "method": method,
