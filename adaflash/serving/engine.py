@@ -1,20 +1,19 @@
 """The serving engine: the API, the step loop and `step` for every method on one engine.
 
 One step (vLLM/SGLang style — the scheduler decides what runs, the runner how):
-  1. apply a staged drafter swap (hot reload) and drop cancelled requests — between steps only;
+  1. between steps only: apply a staged drafter swap (hot reload), drop cancelled requests;
   2. admit waiting requests (EMA admission, `Scheduler`);
   3. proposals for every running request (`Proposer`: drafter block + length head, n-gram
      lookup, or the cost-aware choice between them), drafter logits only for kept positions;
   4. ONE packed target forward over [prefills of the admitted] + [Σ k̂_i verify tokens];
-  5. verify each request (`verifier`: greedy or speculative sampling, packed kernels), commit the
-     anchor and the accepted drafts, extend the drafter context with their target features,
-     record the round (start, k̂, accepted, â, proposer) and stream the new tokens.
+  5. verify each request (`verifier`: greedy or speculative sampling), commit the anchor and the
+     accepted drafts, extend the drafter context with their target features, record the round
+     and stream the new tokens.
 Requests of different methods may share a step, so methods are compared on one engine.
 
 Threading: `submit`/`cancel`/`stage_drafter` may be called from any thread; `step` runs on one
-(the step-loop thread started by `start()`, or the caller's when driven synchronously, as the
-benchmark does). Callbacks (`Request.sink`, finish observers) run on the step-loop thread and
-must not block: the server hands tokens to asyncio queues, feedback goes to its own thread.
+(the step-loop thread of `start()`, or the caller's, as the benchmark does). Callbacks (sinks,
+observers) run on the step-loop thread and must not block.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,67 +31,28 @@ from adaflash.errors import InputError
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
 from adaflash.serving import verifier
-from adaflash.serving.proposer import NGRAM_BLOCK, Proposer, ProposerConfig
+from adaflash.serving.config import EngineConfig, StepStats
+from adaflash.serving.proposer import Proposer, ProposerConfig
 from adaflash.serving.proposer import clock as policy_clock
-from adaflash.serving.request import (  # noqa: F401 - the engine's public names
+from adaflash.serving.request import (
     DRAFTER_METHODS,
     METHODS,
     MIN_TEMPERATURE,
-    SEED_MAX,
-    SEED_MIN,
     GenParams,
     Request,
     RoundStat,
-    Sink,
     Status,
     check_params,
     check_prompt,
 )
 from adaflash.serving.runner import PackedBatch, PackedRunner, Segment
 from adaflash.serving.scheduler import Scheduler, SchedulerConfig
-from adaflash.serving.step_loop import MAX_STEP_FAILURES, EngineFailed, StepLoop  # noqa: F401
-from adaflash.serving.verifier import filter_top_k_top_p  # noqa: F401 - re-exported
+from adaflash.serving.step_loop import EngineFailed, StepLoop
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NGRAM_BLOCK", "Engine", "EngineConfig", "EngineFailed", "StepStats"]
-
-
-@dataclass
-class EngineConfig:
-    method: str = "adaflash"  # default for requests that do not name one
-    gamma: float = 1.0
-    max_running: int = 32
-    max_queue: int = 64
-    max_model_len: int = 1024  # KV slot capacity per request (prompt + max_tokens)
-    step_token_budget: int = 1024
-    kv_budget_tokens: int | None = None
-    beta: float = 0.5
-    # Also run the length head on fixed-k (dflash) blocks and record â: those rounds are not
-    # censored by k̂, so (â, accepted) pairs calibrate the head (benchmark). k̂ stays k.
-    shadow_a_hat: bool = False
-    # Probe policy for weak drafters: after an adaflash round whose head chose k̂ = 1, the next
-    # probe_every − 1 rounds of that request skip the drafter and run as plain AR rounds.
-    # 1 = draft every round (the method as published).
-    probe_every: int = 1
-    # Time a few forwards at start-up to seed `adaflash-cost`'s cost curves when a drafter with a
-    # length head is installed (they also learn from every step); off: the curves start from the
-    # first steps' measurements.
-    calibrate: bool = True
-
-
-@dataclass
-class StepStats:
-    prefill_tokens: int = 0
-    verify_tokens: int = 0  # Σ k̂_i target rows spent on verification
-    verify_lens: list[int] = field(default_factory=list)  # k̂_i per decoding request
-    accepted: list[int] = field(default_factory=list)
-    target_rows: int = 0  # rows the packed target forward ran (prefill + verify)
-    admitted: int = 0
-    running: int = 0
-    emitted: int = 0  # output tokens committed this step
-    seconds: float = 0.0
-    proposers: list[str] = field(default_factory=list)  # per decoding request
+# Callers build and run requests from here: the engine is the serving room's front door.
+__all__ = ["Engine", "EngineConfig", "EngineFailed", "GenParams", "Request", "StepStats"]
 
 
 class Engine(StepLoop):
@@ -125,16 +84,10 @@ class Engine(StepLoop):
             self.proposer.calibrate(self.runner, c.step_token_budget)
         self._staged: tuple[DrafterBundle, str] | None = None
         self._staged_lock = threading.Lock()
-        self._cancel: set[str] = set()
-        self._cancel_lock = threading.Lock()
-        self.observers: list[Callable[[Request], None]] = []  # called once per finished request
         self.step_observers: list[Callable[[StepStats, Engine], None]] = []
         self.reloads = 0
         self.last_step: StepStats | None = None
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
+        self._init_loop()
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -185,12 +138,6 @@ class Engine(StepLoop):
         self.scheduler.add(req)
         self._wake.set()
         return req
-
-    def cancel(self, request_id: str) -> None:
-        """Cancel a waiting or running request; its slot is freed before the next step."""
-        with self._cancel_lock:
-            self._cancel.add(request_id)
-        self._wake.set()
 
     def stage_drafter(self, bundle: DrafterBundle, version: str) -> None:
         """Swap in an already loaded and validated drafter at the next step boundary."""
@@ -278,46 +225,10 @@ class Engine(StepLoop):
             obs(stats, self)
         return stats
 
-    # --- committing, finishing, cancelling -------------------------------------------------------
-
-    def _finish_failed(self, r: Request, now: float) -> None:
-        r.finish("error", now)
-        self._notify(r, [])
-
-    def _notify(self, r: Request, new: list[int]) -> None:
-        if r.sink is None:
-            return
-        try:
-            r.sink(r, new, r.finished)
-        except Exception:  # noqa: BLE001 - a broken client bridge must not stop the step loop
-            log.exception("sink of request %s failed: cancelling it", r.request_id)
-            if not r.finished:
-                self.cancel(r.request_id)
+    # --- committing, hot reload ------------------------------------------------------------------
 
     def _emit(self, r: Request, new: list[int], now: float) -> None:
         self._notify(r, r.commit(new, self.eos, lambda ids: self.target.tokenizer.decode(ids), now))
-
-    def _release(self, r: Request) -> None:
-        self.scheduler.finish(r, r.e2e)
-        for obs in self.observers:
-            try:
-                obs(r)
-            except Exception:  # noqa: BLE001 - metrics/feedback trouble must not stop serving
-                log.exception("finish observer failed on request %s", r.request_id)
-
-    def _reap_cancelled(self) -> None:
-        with self._cancel_lock:
-            ids, self._cancel = self._cancel, set()
-        for rid in ids:
-            r = self.scheduler.running.get(rid)
-            if r is None:
-                r = next((p for p in list(self.scheduler.pending) if p.request_id == rid), None)
-                if r is None or not self.scheduler.remove_pending(r):
-                    continue
-            r.cancelled = True
-            r.finish("cancelled", time.perf_counter())
-            self.scheduler.finish(r)  # frees the slot and its KV reservation now
-            self._notify(r, [])
 
     def _apply_staged(self) -> None:
         """Hot reload between steps: the context cache belongs to the drafter (its fc and k/v

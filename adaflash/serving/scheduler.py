@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from adaflash.errors import AdaFlashError
+from adaflash.serving.request import Request
 
 
 class QueueFull(AdaFlashError):
@@ -45,8 +46,8 @@ class Scheduler:
         self.config = config
         self.capacity = capacity
         self.kv_budget = config.kv_budget_tokens or config.max_running * capacity
-        self.pending: deque = deque()
-        self.running: dict[str, object] = {}
+        self.pending: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
         self.free_slots = list(range(config.max_running - 1, -1, -1))
         self.reserved = 0
         self.n_hat = 0.0
@@ -55,13 +56,13 @@ class Scheduler:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _reservation(req) -> int:
+    def _reservation(req: Request) -> int:
         return len(req.prompt_ids) + req.params.max_tokens
 
-    def fits(self, req) -> bool:
+    def fits(self, req: Request) -> bool:
         return self._reservation(req) <= min(self.capacity, self.kv_budget)
 
-    def add(self, req) -> None:
+    def add(self, req: Request) -> None:
         with self._lock:
             if len(self.pending) >= self.config.max_queue:
                 raise QueueFull(len(self.pending), self.retry_after())
@@ -71,7 +72,18 @@ class Scheduler:
         waves = (len(self.pending) + 1) / max(self.config.max_running, 1)
         return max(1, min(60, math.ceil(waves * self.mean_service_s)))
 
-    def remove_pending(self, req) -> bool:
+    def withdraw(self, request_id: str) -> Request | None:
+        """The running request with this id, or the waiting one, which leaves the queue (cancel)."""
+        with self._lock:
+            if (req := self.running.get(request_id)) is not None:
+                return req
+            for req in self.pending:
+                if req.request_id == request_id:
+                    self.pending.remove(req)
+                    return req
+        return None
+
+    def remove_pending(self, req: Request) -> bool:
         with self._lock:
             try:
                 self.pending.remove(req)
@@ -83,9 +95,9 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self.pending)
 
-    def admit(self) -> list:
+    def admit(self) -> list[Request]:
         """Pop the requests to start this step and give each a slot."""
-        admitted: list = []
+        admitted: list[Request] = []
         with self._lock:
             while self.pending and self.free_slots:
                 req = self.pending[0]
@@ -108,7 +120,7 @@ class Scheduler:
         if mean_verify_len is not None:
             self.k_bar = (1 - b) * self.k_bar + b * mean_verify_len
 
-    def finish(self, req, service_s: float | None = None) -> None:
+    def finish(self, req: Request, service_s: float | None = None) -> None:
         with self._lock:
             if self.running.pop(req.request_id, None) is None:
                 return

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaflash.errors import CheckpointError, InputError
-from adaflash.serving.engine import SEED_MAX, SEED_MIN, Engine, EngineFailed, GenParams, Request
+from adaflash.serving.engine import Engine, EngineFailed, GenParams, Request
 from adaflash.serving.metrics import ServingMetrics
 from adaflash.serving.protocol import (
     ERROR_TYPES,
@@ -49,6 +49,7 @@ from adaflash.serving.protocol import (
     error_response,
 )
 from adaflash.serving.reload import DrafterReloader
+from adaflash.serving.request import SEED_MAX, SEED_MIN
 from adaflash.serving.scheduler import QueueFull
 
 

@@ -1,4 +1,5 @@
-"""The engine's step-loop thread: runs `step()` until stopped, and contains failures.
+"""The engine's step-loop thread: runs `step()` until stopped, and contains failures — its own
+and those of the callbacks it runs (request sinks, finish observers).
 
 A step that raises without being pinned on one request fails the requests it was running (their
 state is unknown) and the loop goes on with the others; after `MAX_STEP_FAILURES` in a row the
@@ -11,8 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from adaflash.errors import AdaFlashError
+from adaflash.serving.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +29,53 @@ class EngineFailed(AdaFlashError):
 
 
 class StepLoop:
-    """Mixed into `Engine`, which provides `step`, `scheduler` and `_notify`."""
+    """Mixed into `Engine`, which provides `step` and `scheduler` and calls `_init_loop`."""
 
-    _thread: threading.Thread | None
-    _stop: threading.Event
-    _wake: threading.Event
-    failure: BaseException | None
+    def _init_loop(self) -> None:
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self._cancel: set[str] = set()
+        self._cancel_lock = threading.Lock()
+        self.observers: list[Callable[[Request], None]] = []  # called once per finished request
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a waiting or running request (any thread); its slot is freed before the next step."""
+        with self._cancel_lock:
+            self._cancel.add(request_id)
+        self._wake.set()
+
+    def _reap_cancelled(self) -> None:
+        with self._cancel_lock:
+            ids, self._cancel = self._cancel, set()
+        for r in filter(None, map(self.scheduler.withdraw, ids)):
+            r.cancelled = True
+            r.finish("cancelled", time.perf_counter())
+            self.scheduler.finish(r)  # frees the slot and its KV reservation now
+            self._notify(r, [])
+
+    def _notify(self, r: Request, new: list[int]) -> None:
+        if r.sink is None:
+            return
+        try:
+            r.sink(r, new, r.finished)
+        except Exception:  # noqa: BLE001 - a broken client bridge must not stop the step loop
+            log.exception("sink of request %s failed: cancelling it", r.request_id)
+            if not r.finished:
+                self.cancel(r.request_id)
+
+    def _finish_failed(self, r: Request, now: float) -> None:
+        r.finish("error", now)
+        self._notify(r, [])
+
+    def _release(self, r: Request) -> None:
+        self.scheduler.finish(r, r.e2e)
+        for obs in self.observers:
+            try:
+                obs(r)
+            except Exception:  # noqa: BLE001 - metrics/feedback trouble must not stop serving
+                log.exception("finish observer failed on request %s", r.request_id)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
