@@ -117,14 +117,15 @@ def test_validation_is_not_vacuous():
 def test_fleet_controller_rbac_is_get_patch_on_the_sglang_deployment_only(overlay):
     docs = render(overlay)
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    (role,) = find(docs, "Role")
+    assert {r["metadata"]["name"] for r in find(docs, "Role")} == {"fleet-controller", "quarantine-auditor"}
+    (role,) = find(docs, "Role", "fleet-controller")
     rules = [{k: sorted(v) for k, v in rule.items()} for rule in role["rules"]]
     assert rules == [
         {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["sglang"],
          "verbs": ["get", "patch"]}
     ]  # fmt: skip
     find(docs, "Deployment", "sglang")  # the one name it grants exists
-    (binding,) = find(docs, "RoleBinding")
+    (binding,) = find(docs, "RoleBinding", "fleet-controller")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}  # fmt: skip
     assert binding["subjects"] == [
@@ -467,3 +468,22 @@ def test_pipeline_steps_that_publish_events_log_in_as_the_pipeline_user():
         assert ca["secretName"] == "adaflash-cluster-ca-cert"
         assert ca["mountPath"] == configmaps["kafka-client"]["ADAFLASH_KAFKA_SSL_CAFILE"].rsplit("/", 1)[0]
     assert with_login == {"exec-register-op", "exec-promote-op"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_auditors_can_read_the_auditor_credentials_and_nothing_else(overlay):
+    """How a person gets the quarantine topic's login: the group adaflash-auditors may `get` the
+    KafkaUser's Secret and the CA certificate, and no other resource; no workload holds it."""
+    docs = render(overlay)
+    (role,) = find(docs, "Role", "quarantine-auditor")
+    (kafka,) = find(docs, "Kafka")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+         "resourceNames": [AUDITOR, f"{kafka['metadata']['name']}-cluster-ca-cert"]}
+    ]  # fmt: skip
+    find(docs, "KafkaUser", AUDITOR)  # the Secret it names is this user's
+    (binding,) = find(docs, "RoleBinding", "quarantine-auditor")
+    assert binding["roleRef"]["name"] == "quarantine-auditor"
+    assert binding["subjects"] == [
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "adaflash-auditors"}
+    ]
