@@ -38,6 +38,11 @@ def browser_binaries() -> tuple[str, str]:
     return chromium, driver
 
 
+def testid(name: str, fallback: tuple[str, str]) -> list[tuple[str, str]]:
+    """Locators for one control: MLflow's data-testid, then what a person sees on the page."""
+    return [("css selector", f'[data-testid="{name}"]'), fallback]
+
+
 class MlflowUi:
     """One headless browser on one MLflow server."""
 
@@ -166,58 +171,27 @@ class MlflowUi:
         from selenium.webdriver.common.by import By
         from selenium.webdriver.common.keys import Keys
 
-        row = self.tag_row(key)
         self.first(
-            [(By.CSS_SELECTOR, '[data-testid="editable-table-button-edit"]'), (By.XPATH, ".//button[1]")],
-            within=row,
+            testid("editable-table-button-edit", (By.XPATH, ".//button[1]")), within=self.tag_row(key)
         ).click()
         row = self.tag_row(key)
-        box = self.first(
-            [(By.CSS_SELECTOR, '[data-testid="editable-table-edited-input"]'), (By.CSS_SELECTOR, "input")],
-            within=row,
-        )
+        box = self.first(testid("editable-table-edited-input", (By.CSS_SELECTOR, "input")), within=row)
         box.send_keys(Keys.CONTROL, "a")  # select the old value: typing replaces it
         box.send_keys(value)
-        self.first(
-            [
-                (By.CSS_SELECTOR, '[data-testid="editable-table-button-save"]'),
-                (By.XPATH, './/button[normalize-space()="Save"]'),
-            ],
-            within=row,
-        ).click()
+        save = testid("editable-table-button-save", (By.XPATH, './/button[normalize-space()="Save"]'))
+        self.first(save, within=row).click()
         self.wait_for(lambda: self.tag_value(key) == value, f"tag {key} does not show {value!r} after Save")
 
     def add_tag(self, key: str, value: str) -> None:
         """The Name / Value boxes under the tags table, then Add."""
         from selenium.webdriver.common.by import By
 
-        section = self.first(
-            [
-                (By.CSS_SELECTOR, '[data-testid="tags-section"]'),
-                (By.XPATH, '//*[.//h2[normalize-space()="Tags"]]'),
-            ]
-        )
-        self.first(
-            [
-                (By.CSS_SELECTOR, '[data-testid="tags-form-input-name"]'),
-                (By.CSS_SELECTOR, 'input[placeholder="Name"]'),
-            ],
-            within=section,
-        ).send_keys(key)
-        self.first(
-            [
-                (By.CSS_SELECTOR, '[data-testid="tags-form-input-value"]'),
-                (By.CSS_SELECTOR, 'input[placeholder="Value"]'),
-            ],
-            within=section,
-        ).send_keys(value)
-        self.first(
-            [
-                (By.CSS_SELECTOR, '[data-testid="add-tag-button"]'),
-                (By.XPATH, './/button[normalize-space()="Add"]'),
-            ],
-            within=section,
-        ).click()
+        section = self.first(testid("tags-section", (By.XPATH, '//*[.//h2[normalize-space()="Tags"]]')))
+        for box, text in (("name", key), ("value", value)):
+            where = (By.CSS_SELECTOR, f'input[placeholder="{box.title()}"]')
+            self.first(testid(f"tags-form-input-{box}", where), within=section).send_keys(text)
+        add = testid("add-tag-button", (By.XPATH, './/button[normalize-space()="Add"]'))
+        self.first(add, within=section).click()
         self.wait_for(lambda: self.tag_value(key) == value, f"added tag {key} does not show {value!r}")
 
     def screenshot_of_versions(self, path: Path) -> Path:
