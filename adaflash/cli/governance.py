@@ -71,7 +71,7 @@ def broker_status(port: BrokerPortQuery = None) -> None:
     if st["running"]:
         from kafka import KafkaAdminClient
 
-        admin = KafkaAdminClient(bootstrap_servers=st["bootstrap_servers"])
+        admin = KafkaAdminClient(bootstrap_servers=st["bootstrap_servers"])  # embedded: plaintext
         st["topics"] = sorted(admin.list_topics())
         admin.close()
     console.print_json(json.dumps(st))

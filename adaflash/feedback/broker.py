@@ -16,8 +16,12 @@ from importlib import resources
 from pathlib import Path
 
 from adaflash.errors import AdaFlashError
+from adaflash.feedback.security import KafkaSecurity
 from adaflash.feedback.topics import TOPICS, TopicSpec
 from adaflash.procs import pid_from_file, terminate
+
+# Tansu on loopback takes no credentials, whatever ADAFLASH_KAFKA_* the shell has for a cluster.
+PLAINTEXT = KafkaSecurity()
 
 
 class BrokerError(AdaFlashError):
@@ -49,12 +53,19 @@ def port_open(host: str, port: int, timeout: float = 0.3) -> bool:
         return False
 
 
-def ensure_topics(bootstrap_servers: str, topics: tuple[TopicSpec, ...] = TOPICS) -> list[str]:
-    """Create the topics that do not exist yet; returns the names created."""
+def ensure_topics(
+    bootstrap_servers: str, topics: tuple[TopicSpec, ...] = TOPICS, security: KafkaSecurity | None = None
+) -> list[str]:
+    """Create the topics that do not exist yet; returns the names created. `security`: this
+    process's environment unless given. (With ACLs a client lists only the topics it may
+    describe, so a principal that may write a topic sees it and creates nothing.)"""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=10_000)
+    security = security or KafkaSecurity.from_env()
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap_servers, request_timeout_ms=10_000, **security.client_kwargs()
+    )
     try:
         existing = set(admin.list_topics())
         missing = [NewTopic(t.name, t.partitions, 1) for t in topics if t.name not in existing]
@@ -100,7 +111,7 @@ class Broker:
     def start(self, timeout: float = 20.0, create_topics: bool = True) -> dict:
         if self._pid() is not None:
             if create_topics:
-                ensure_topics(self.bootstrap_servers)
+                ensure_topics(self.bootstrap_servers, security=PLAINTEXT)
             return self.status()
         if port_open(self.host, self.port):
             raise BrokerError(f"port {self.port} is already in use by another process")
@@ -125,7 +136,7 @@ class Broker:
                 raise BrokerError(f"broker did not listen on {self.bootstrap_servers} in {timeout:.0f}s")
             time.sleep(0.05)
         if create_topics:
-            ensure_topics(self.bootstrap_servers)
+            ensure_topics(self.bootstrap_servers, security=PLAINTEXT)
         return self.status()
 
     def stop(self, timeout: float = 10.0) -> bool:

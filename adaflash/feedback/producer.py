@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adaflash.feedback.schema import FeedbackRecord
+from adaflash.feedback.security import KafkaSecurity
 from adaflash.feedback.topics import RAW
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,16 @@ _API_VERSIONS = struct.pack(">hhih", 18, 0, 0x0AF1, len(_CLIENT)) + _CLIENT
 _API_VERSIONS = struct.pack(">i", len(_API_VERSIONS)) + _API_VERSIONS
 
 
-def broker_answers(address: str, timeout: float = 1.0) -> bool:
+def broker_answers(address: str, timeout: float = 1.0, security: KafkaSecurity | None = None) -> bool:
     """True when a broker at `address` answers a Kafka request on a fresh connection — not just
-    accepts TCP: a draining broker accepts and then resets new connections."""
+    accepts TCP: a draining broker accepts and then resets new connections. `security` says how
+    the listener is reached (TLS or not; ApiVersions needs no SASL login); default plaintext."""
     host, _, port = address.strip().rpartition(":")
     try:
-        with socket.create_connection((host or "localhost", int(port)), timeout=timeout) as sock:
+        with (
+            socket.create_connection((host or "localhost", int(port)), timeout=timeout) as raw,
+            (security or KafkaSecurity()).wrap(raw, host or "localhost") as sock,
+        ):
             sock.settimeout(timeout)
             sock.sendall(_API_VERSIONS)
             head = b""
@@ -98,6 +103,7 @@ def broker_answers(address: str, timeout: float = 1.0) -> bool:
 class FeedbackProducer:
     def __init__(self, config: ProducerConfig) -> None:
         self.config = config
+        self._security = KafkaSecurity.from_env()  # a bad setting fails here, at start, in one line
         config.spool_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.spool_dir, 0o700)
         self._queue: queue.Queue = queue.Queue()
@@ -206,6 +212,7 @@ class FeedbackProducer:
         try:
             self._producer = KafkaProducer(
                 bootstrap_servers=self.config.bootstrap_servers,
+                **self._security.client_kwargs(),
                 acks="all",
                 linger_ms=5,
                 max_block_ms=3000,
@@ -251,7 +258,9 @@ class FeedbackProducer:
         return failed
 
     def _broker_answers(self) -> bool:
-        return any(broker_answers(a) for a in self.config.bootstrap_servers.split(","))
+        return any(
+            broker_answers(a, security=self._security) for a in self.config.bootstrap_servers.split(",")
+        )
 
     def _drop_producer(self) -> None:
         self._stats.connected = False

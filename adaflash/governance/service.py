@@ -13,6 +13,7 @@ import time
 from datetime import UTC, datetime
 
 from adaflash.feedback import topics
+from adaflash.feedback.security import client_kwargs
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.lineage import BatchAudit
 
@@ -30,6 +31,7 @@ class GovernanceService:
         self.consumer = KafkaConsumer(
             topics.RAW,
             bootstrap_servers=cfg.bootstrap_servers,
+            **client_kwargs(),
             group_id=cfg.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -49,7 +51,9 @@ class GovernanceService:
                 old.close(timeout=0)
             except Exception:  # noqa: BLE001 - a broken client must not stop the loop
                 pass
-        self.producer = KafkaProducer(bootstrap_servers=self.cfg.bootstrap_servers, acks="all", linger_ms=5)
+        self.producer = KafkaProducer(
+            bootstrap_servers=self.cfg.bootstrap_servers, **client_kwargs(), acks="all", linger_ms=5
+        )
 
     def _rewind(self, messages: list[Message]) -> None:
         """Seek every partition of an unpersisted batch back to its first message."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from adaflash.errors import AdaFlashError
 from adaflash.feedback.broker import Broker
+from adaflash.feedback.security import plaintext_env
 from adaflash.procs import pid_from_file, terminate
 from adaflash.registry.server import RegistryServer
 
@@ -93,6 +94,7 @@ class Service:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
+                    env=plaintext_env(),  # every service here talks to the embedded broker
                 )
             self.pid_file.write_text(json.dumps({"pid": proc.pid, "argv": self.argv}))
         deadline = time.monotonic() + timeout

@@ -36,6 +36,27 @@ def _on_shared_volume(*tasks) -> None:
             kubernetes.mount_pvc(t, pvc_name=pvc, mount_path=path)
 
 
+# The steps that publish DrafterEvents (register, promote) log in to Kafka on a cluster as the
+# pipeline's KafkaUser (manifests/base/kafka-users.yaml: Write on adaflash.drafter.events), with
+# the label the listener's network policy admits. All of it is Kubernetes config, which kfp.local
+# ignores: local runs keep the embedded broker's plaintext.
+KAFKA_USER = "adaflash-pipeline"
+KAFKA_CLIENT_ENV = (
+    "ADAFLASH_KAFKA_SECURITY_PROTOCOL",
+    "ADAFLASH_KAFKA_SASL_MECHANISM",
+    "ADAFLASH_KAFKA_SSL_CAFILE",
+)
+
+
+def _kafka_client(*tasks) -> None:
+    for t in tasks:
+        kubernetes.add_pod_label(t, "adaflash.io/kafka-client", "true")
+        kubernetes.use_config_map_as_env(t, "kafka-client", {k: k for k in KAFKA_CLIENT_ENV})
+        kubernetes.use_config_map_as_env(t, "kafka-client-pipeline", {"username": "ADAFLASH_KAFKA_USERNAME"})
+        kubernetes.use_secret_as_env(t, KAFKA_USER, {"password": "ADAFLASH_KAFKA_PASSWORD"})
+        kubernetes.use_secret_as_volume(t, "adaflash-cluster-ca-cert", mount_path="/etc/adaflash/kafka-ca")
+
+
 @dsl.pipeline(name=PIPELINE_NAME, description="OPD retraining of the served drafter with a shadow-eval gate")
 def continual_training(
     target: str,
@@ -95,15 +116,17 @@ def continual_training(
             report=shadow.outputs["report"],
         )
         _on_shared_volume(snap, champ, trained, shadow, reg)
+        _kafka_client(reg)
         with dsl.If(shadow.outputs["Output"] == "promote", name="challenger-wins"):
             with dsl.If(gate_mode == "auto", name="auto-promotion"):
-                promote_op(
+                promoted = promote_op(
                     target=target,
                     tracking_uri=tracking_uri,
                     bootstrap_servers=bootstrap_servers,
                     version=reg.output,
                     reason="shadow evaluation: beat the champion by the configured margin",
                 )
+                _kafka_client(promoted)
 
 
 def run_local(pipeline_root: Path, **params) -> None:

@@ -12,6 +12,7 @@ import logging
 import socket
 
 from adaflash.feedback.events import DrafterEvent
+from adaflash.feedback.security import client_kwargs
 from adaflash.feedback.topics import DRAFTER_EVENTS, TOPICS
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class EventPublisher:
         # acks=all + idempotence (kafka-python 3 defaults): an acknowledged event is on the log once.
         self._producer = KafkaProducer(
             bootstrap_servers=self.bootstrap_servers,
+            **client_kwargs(),
             acks="all",
             max_block_ms=10_000,
             request_timeout_ms=10_000,

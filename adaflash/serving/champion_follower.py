@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from adaflash.feedback.events import DrafterEvent, EventSchemaError
+from adaflash.feedback.security import KafkaSecurity
 from adaflash.feedback.topics import DRAFTER_EVENTS
 from adaflash.serving.reload import DrafterReloader
 
@@ -45,6 +46,7 @@ class ChampionFollower:
         self.tracking_uri = tracking_uri
         self.fingerprint = target_fingerprint
         self.on_event = on_event
+        self.security = KafkaSecurity.from_env()  # read here: a bad setting fails at start, not in the thread
         self.status = FollowerStatus()
         self.reconcile_s = 5.0  # how often the registry's champion is compared with what is live
         self._live: str | None = None  # the version this follower last made live
@@ -84,7 +86,12 @@ class ChampionFollower:
     def _run(self) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False)
+        # No group: assign() + seek_to_end, so a follower needs Read on the topic and no group ACL.
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            **self.security.client_kwargs(),
+            enable_auto_commit=False,
+        )
         try:
             parts = [
                 TopicPartition(DRAFTER_EVENTS, p)

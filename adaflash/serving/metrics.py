@@ -110,8 +110,6 @@ class ServingMetrics:
         self.tps.set(sum(n for _, n in self._recent) / span)
         if stats.verify_tokens:
             self.step_tokens.observe(stats.verify_tokens)
-        if (engine.drafter_version or "none") != self._version:
-            self.set_drafter(engine.drafter_version)
         self.refresh()
 
     def on_finish(self, req: Request) -> None:
@@ -153,6 +151,10 @@ class ServingMetrics:
         self.queue_depth.set(s.queue_depth)
         self.running.set(len(s.running))
         self.n_hat.set(s.n_hat)
+        # At scrape time too, not only per step: an idle server that hot-reloaded showed the old
+        # drafter until its next request.
+        if (self.engine.drafter_version or "none") != self._version:
+            self.set_drafter(self.engine.drafter_version)
 
     def exposition(self) -> bytes:
         self.refresh()
