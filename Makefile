@@ -37,7 +37,7 @@ browser-deps:
 	@if [ "$(BROWSER)" = 0 ] || { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing $(BROWSER_PKGS) for the browser test (apt-get)"; \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PKGS); } >/dev/null \
+		{ timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq $(BROWSER_PKGS); } >/dev/null \
 			|| echo "note: apt-get could not install $(BROWSER_PKGS): the browser test will skip"; \
 	else \
 		echo "note: no chromium/chromedriver and not root: the browser test will skip (apt-get install $(BROWSER_PKGS))"; \
