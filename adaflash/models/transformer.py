@@ -86,6 +86,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, heads, T, D], with the qk-norm and RoPE applied (shared with the
+        packed serving runner, which then attends against its slot cache)."""
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -99,14 +114,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
+        q, k, v = self.project(x, cos, sin)
         idx = write_index[:, None, :, None].expand(B, c.num_kv_heads, T, c.head_dim)
         cache_k.scatter_(2, idx, k)
         cache_v.scatter_(2, idx, v)

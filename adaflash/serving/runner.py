@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from adaflash.models.drafter import Drafter
-from adaflash.models.layers import apply_rope, rope_tables
+from adaflash.models.layers import rope_tables
 from adaflash.models.transformer import KVCache, TargetModel
 
 # Segments longer than this get their own attention call (see module docstring).
@@ -161,14 +161,8 @@ class PackedRunner:
     def _attention(self, attn, h, cos, sin, layer: int, batch: PackedBatch, groups: list[_AttnGroup]):
         c = self.config
         N = h.shape[0]
-        q = attn.q_proj(h).view(N, c.num_heads, c.head_dim)
-        k = attn.k_proj(h).view(N, c.num_kv_heads, c.head_dim)
-        v = attn.v_proj(h).view(N, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        # apply_rope wants [B, heads, T, D]: treat the packed rows as one sequence of N tokens.
-        q = apply_rope(q.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)  # [N, heads, D]
-        k = apply_rope(k.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+        # The model's own projection + RoPE, the packed rows read as one sequence of N tokens.
+        q, k, v = (t[0].transpose(0, 1) for t in attn.project(h[None], cos, sin))  # [N, heads, D]
         ck, cv = self.cache.k[layer], self.cache.v[layer]  # [slots, kvh, cap, D]
         ck[batch.slot_rows, :, batch.positions] = k
         cv[batch.slot_rows, :, batch.positions] = v
