@@ -122,6 +122,8 @@ def shadow_eval_op(
 
     policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric)
     held = Snapshot.load(Path(snapshot.path)).heldout
+    # On the CPU even on its GPU node: the serving engine it measures creates its tensors on the
+    # CPU (only training is device-clean so far, tests/test_device.py).
     shadow = shadow_gate(load_target(target), held, Path(champion.path), Path(challenger.path), policy,
                          concurrency, max_new_tokens)  # fmt: skip
     Path(report.path).write_text(json.dumps(shadow.to_dict()))
