@@ -9,6 +9,7 @@ rendered command — torchrun, the CLI entry point, the staged paths — really 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -192,6 +193,7 @@ class FakeTrainingOperator:
         self.log, self.run_pods, self.conditions = log, run_pods, conditions
         self.created: list[dict] = []
         self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
 
     def create_namespaced_custom_object(self, group, version, namespace, plural, body):
         assert (group, version, plural, namespace) == (
@@ -213,6 +215,7 @@ class FakeTrainingOperator:
                        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
                 argv = [_expand(a, env) for a in c["command"]]
                 out = open(self.log.with_suffix(f".{rank}.log"), "w")  # noqa: SIM115 - the pod's log
+                self.logs.append(out)
                 self.procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
                 rank += 1
         return body
@@ -227,6 +230,9 @@ class FakeTrainingOperator:
             state = {"type": "Succeeded", "status": "True"}
         else:
             state = {"type": "Running", "status": "True"}
+        if state["type"] != "Running":
+            for f in self.logs:
+                f.close()
         return {"status": {"conditions": [{"type": "Created", "status": "True"}, state]}}
 
 
@@ -237,12 +243,16 @@ def test_the_job_trains_data_parallel_through_the_rendered_command(tiny32, tmp_p
     gov = tmp_path / "gov"
     cfg = OnlineConfig(epochs=1, lr=2e-3, random_anchors=4, grad_accum=2)
     job = TrainJob.for_inputs("tiny", snap, "3", cfg, gov, 2, "adaflash")
-    job = TrainJob(
-        **{**job.__dict__, "volumes": {"governance-data": str(gov), "target-model": str(tmp_path)}}
-    )
+    # The pods see the volumes where this test keeps them.
+    job = dataclasses.replace(job, volumes={"governance-data": str(gov), "target-model": str(tmp_path)})
     api = FakeTrainingOperator(tmp_path / "pod")
     out = tmp_path / "challenger"
-    summary = run_train_job(job, snap, tmp_path / "champion", out, api=api, poll_s=0.5, timeout_s=300)
+    try:
+        summary = run_train_job(job, snap, tmp_path / "champion", out, api=api, poll_s=0.5, timeout_s=300)
+    finally:  # a rank whose peer died waits in a collective: never leave it behind
+        for p in api.procs:
+            if p.poll() is None:
+                p.kill()
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("pod.*.log")))
     assert [p.returncode for p in api.procs] == [0, 0], logs
     assert summary["workers"] == 2 and summary["pytorchjob"] == job.name
