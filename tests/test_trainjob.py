@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -216,7 +217,11 @@ class FakeTrainingOperator:
                 argv = [_expand(a, env) for a in c["command"]]
                 out = open(self.log.with_suffix(f".{rank}.log"), "w")  # noqa: SIM115 - the pod's log
                 self.logs.append(out)
-                self.procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
                 rank += 1
         return body
 
@@ -249,10 +254,10 @@ def test_the_job_trains_data_parallel_through_the_rendered_command(tiny32, tmp_p
     out = tmp_path / "challenger"
     try:
         summary = run_train_job(job, snap, tmp_path / "champion", out, api=api, poll_s=0.5, timeout_s=300)
-    finally:  # a rank whose peer died waits in a collective: never leave it behind
+    finally:  # a rank whose peer died waits in a collective: never leave one (or its torchrun) behind
         for p in api.procs:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("pod.*.log")))
     assert [p.returncode for p in api.procs] == [0, 0], logs
     assert summary["workers"] == 2 and summary["pytorchjob"] == job.name
