@@ -65,7 +65,11 @@ def _build(profile: Profile):
     gpu = profile == "production"
 
     def gate_and_register(p: dict, snap, champ, challenger) -> None:
-        """shadow eval → register → gate → promote, for the challenger of either training path."""
+        """shadow eval → register → gate → promote, for the challenger of either training path.
+
+        The production build calls it once per branch rather than merging the branches'
+        challengers with dsl.OneOf: kfp.local (2.17) fails on an artifact OneOf (tried), while
+        If/Else with each branch's own downstream tasks is what it runs."""
         shadow = shadow_eval_op(
             target=p["target"],
             snapshot=snap.outputs["snapshot"],
