@@ -18,10 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from adaflash.components.cluster import GPU_NODE_SELECTOR, GPU_RESOURCE, GPU_TOLERATION
+from adaflash.components.trainjob import POD_LABEL
 from adaflash.feedback import topics as TOPIC
 from adaflash.feedback.security import ENV as KAFKA_ENV
 from adaflash.feedback.topics import TOPICS
 from adaflash.governance.governor import GovernanceConfig
+from adaflash.pipelines.continual import IR_PATHS
 from adaflash.serving.export import sglang_launch_argv
 from tests.conftest import REPO
 
@@ -40,6 +43,8 @@ CRD_KINDS = {
 # Created by the operator before `kubectl apply` in production (never committed).
 OUT_OF_BAND_SECRETS = {"production": {"mlflow-db", "mlflow-s3", "gateway-api-keys"}, "local-kind": set()}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
+# The pipeline IR each overlay ships: local-kind has no GPU nodes, production trains on them.
+IR_OF = {"local-kind": IR_PATHS["local"], "production": IR_PATHS["production"]}
 
 
 def kubectl() -> str:
@@ -117,7 +122,7 @@ def test_validation_is_not_vacuous():
 def test_fleet_controller_rbac_is_get_patch_on_the_sglang_deployment_only(overlay):
     docs = render(overlay)
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    assert {r["metadata"]["name"] for r in find(docs, "Role")} == {"fleet-controller", "quarantine-auditor"}
+    assert {"fleet-controller", "quarantine-auditor"} <= {r["metadata"]["name"] for r in find(docs, "Role")}
     (role,) = find(docs, "Role", "fleet-controller")
     rules = [{k: sorted(v) for k, v in rule.items()} for rule in role["rules"]]
     assert rules == [
@@ -137,6 +142,27 @@ def test_fleet_controller_rbac_is_get_patch_on_the_sglang_deployment_only(overla
             assert spec["serviceAccountName"] == "fleet-controller" and spec["automountServiceAccountToken"]
         else:
             assert spec.get("automountServiceAccountToken") is False, d["metadata"]["name"]
+    # The only other Roles: the quarantine auditor's (test_kafka_... below) and production's
+    # PyTorchJob launcher (test below).
+    others = {d["metadata"]["name"] for d in docs if d["kind"] in ("Role", "RoleBinding")} - {
+        "fleet-controller",
+        "quarantine-auditor",
+    }
+    assert others == ({"pytorchjob-launcher"} if overlay == "production" else set())
+
+
+def test_pipeline_may_create_and_read_pytorchjobs_and_nothing_else():
+    docs = render("production")
+    (role,) = find(docs, "Role", "pytorchjob-launcher")
+    assert role["rules"] == [
+        {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["create", "get"]}
+    ]
+    (binding,) = find(docs, "RoleBinding", "pytorchjob-launcher")
+    assert binding["roleRef"]["name"] == "pytorchjob-launcher"
+    # Kubeflow Pipelines runs every task as its pipeline-runner service account, in its own namespace.
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "pipeline-runner", "namespace": "kubeflow"}
+    ]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -178,9 +204,11 @@ def test_sglang_serves_the_exported_champion_with_dflash(overlay):
     # Exactly the line `adaflash sglang launch-args` prints for this drafter and target.
     assert server["command"] + server["args"] == sglang_launch_argv("/models/target", "/drafter/current", k)
     assert k == 16
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    # The GPU nodes, as the pipeline's GPU tasks and the PyTorchJob's pods find them too.
+    assert spec["nodeSelector"] == GPU_NODE_SELECTOR == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"] == [GPU_TOLERATION.to_k8s()]
     res = server["resources"]
-    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 1
+    assert res["limits"][GPU_RESOURCE] == res["requests"][GPU_RESOURCE] == 1
     mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
     assert (
         mounts["drafter"] == "/drafter"
@@ -218,10 +246,10 @@ def test_network_policies_admit_only_gateway_and_controller_to_admin_endpoints(o
             assert sorted(expr["values"]) == ["fleet-controller", "gateway"]
             servers.discard(app)
     assert not servers, f"no policy restricts {servers}"
-    # Every policy selects pods that exist.
+    # Every policy selects pods that exist (or that the production pipeline creates: a PyTorchJob's).
     names = {
         d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name") for d, _ in pod_specs(docs)
-    }
+    } | ({POD_LABEL} if overlay == "production" else set())
     for name, spec in policies.items():
         app = spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name")
         assert app is None or app in names, f"{name} selects no workload"
@@ -263,10 +291,11 @@ def test_every_referenced_secret_configmap_and_claim_exists(overlay):
 
 
 def test_pipeline_configmap_carries_the_committed_ir():
-    """The cluster runs the IR `adaflash pipeline compile` wrote (tests/test_pipeline.py checks that
-    file for drift against a fresh compile)."""
-    ir = (REPO / "manifests" / "pipelines" / "continual_training.yaml").read_text()
+    """The cluster runs the IR `adaflash pipeline compile --profile ...` wrote (tests/test_pipeline.py
+    checks both files for drift against a fresh compile): production its GPU build, local-kind the
+    local one."""
     for overlay in OVERLAYS:
+        ir = (REPO / IR_OF[overlay]).read_text()
         docs = render(overlay)
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "continual-training-pipeline-" in
                  d["metadata"]["name"]]  # fmt: skip
@@ -275,6 +304,15 @@ def test_pipeline_configmap_carries_the_committed_ir():
         spec = job["spec"]["template"]["spec"]
         assert spec["containers"][0]["command"] == ["adaflash", "pipeline", "schedule"]
         assert {"name": "pipeline", "configMap": {"name": cm["metadata"]["name"]}} in spec["volumes"]
+        assert ("nvidia.com/gpu" in cm["data"]["continual_training.yaml"]) == (overlay == "production")
+
+
+def test_production_trainers_may_talk_to_each_other_and_nobody_else_to_them():
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(render("production"), "NetworkPolicy")}
+    spec = policies["adaflash-train-between-ranks"]
+    assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": POD_LABEL}}
+    (rule,) = spec["ingress"]
+    assert rule == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": POD_LABEL}}}]}
 
 
 def test_sglang_image_is_the_version_the_project_pins():

@@ -5,21 +5,92 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import yaml
+
+from adaflash.components.cluster import GPU_NODE_SELECTOR, GPU_RESOURCE, GPU_TOLERATION
 from adaflash.feedback import topics
 from adaflash.governance.lineage import LineageStore
 from adaflash.models.checkpoint import save_drafter
-from adaflash.pipelines.continual import compile_pipeline, continual_training
+from adaflash.pipelines.continual import IR_PATHS, PROFILES, compile_pipeline, continual_training
 from tests.conftest import REPO, make_bundle
 from tests.kafka_util import read_topic, running_broker
 from tests.test_continual_steps import serve_into_buffer
 
 
-def test_compiled_pipeline_matches_committed_ir(tmp_path):
-    """CI drift check: the committed IR YAML is what the code compiles to."""
-    fresh = compile_pipeline(tmp_path / "continual_training.yaml").read_text()
-    committed = REPO / "manifests" / "pipelines" / "continual_training.yaml"
-    assert committed.exists(), "run `adaflash pipeline compile` and commit manifests/pipelines/"
-    assert fresh == committed.read_text(), "pipeline IR drifted: run `adaflash pipeline compile`"
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compiled_pipeline_matches_committed_ir(tmp_path, profile):
+    """CI drift check: each committed IR YAML is what the code compiles to."""
+    fresh = compile_pipeline(tmp_path / "continual_training.yaml", profile).read_text()
+    committed = REPO / IR_PATHS[profile]
+    assert committed.exists(), f"run `adaflash pipeline compile --profile {profile}` and commit {committed}"
+    assert fresh == committed.read_text(), (
+        f"pipeline IR drifted: run `adaflash pipeline compile --profile {profile}`"
+    )
+
+
+def _ir(profile: str) -> tuple[dict, dict]:
+    """(pipeline spec, Kubernetes platform spec executors) of the committed IR."""
+    spec, platform = yaml.safe_load_all((REPO / IR_PATHS[profile]).read_text())
+    return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def _gpu_config(profile: str) -> dict[str, tuple]:
+    """executor -> (accelerator, node selector, tolerations), for executors that carry any."""
+    spec, platform = _ir(profile)
+    out = {}
+    for name, ex in spec["deploymentSpec"]["executors"].items():
+        acc = ex["container"].get("resources", {}).get("accelerator")
+        k8s = platform.get(name, {})
+        if acc or "nodeSelector" in k8s or "tolerations" in k8s:
+            out[name] = (acc, k8s.get("nodeSelector"), k8s.get("tolerations"))
+    return out
+
+
+def test_production_ir_puts_exactly_training_and_shadow_eval_on_one_gpu():
+    """Feature extraction runs inside the train task (the trainer recomputes target supervision
+    itself), so train and both shadow evals (one per training path) are the GPU tasks; the
+    data-parallel launcher and the bookkeeping steps request none."""
+    gpu = _gpu_config("production")
+    assert set(gpu) == {"exec-train-op", "exec-shadow-eval-op", "exec-shadow-eval-op-2"}
+    for acc, selector, tolerations in gpu.values():
+        assert acc["resourceType"] == GPU_RESOURCE and acc["resourceCount"] == "1"
+        assert selector == {"labels": GPU_NODE_SELECTOR}
+        assert tolerations == [GPU_TOLERATION.to_k8s()]
+    spec, platform = _ir("production")
+    assert "exec-train-job-op" in spec["deploymentSpec"]["executors"]
+    # Every executor, GPU or not, still mounts the shared volumes.
+    assert all(len(ex["pvcMount"]) == 2 for ex in platform.values()), platform
+
+
+def test_local_ir_requests_no_accelerator_and_no_gpu_node():
+    assert _gpu_config("local") == {}
+    spec, _ = _ir("local")
+    assert "exec-train-job-op" not in spec["deploymentSpec"]["executors"]  # no PyTorchJob path locally
+
+
+def test_production_ir_trains_data_parallel_only_past_one_gpu():
+    """The branch: ingest's record count > max_records_per_gpu → the PyTorchJob launcher, else the
+    in-process GPU train; each branch evaluates its own challenger."""
+    spec, _ = _ir("production")
+    comps = spec["components"]
+    branches = comps["comp-condition-branches-2"]["dag"]["tasks"]
+    conditions = {t["componentRef"]["name"]: t["triggerPolicy"]["condition"] for t in branches.values()}
+    tasks_of = {c: set(comps[c]["dag"]["tasks"]) for c in conditions}
+    (parallel,) = [c for c, tasks in tasks_of.items() if "train-job-op" in tasks]
+    (single,) = [c for c, tasks in tasks_of.items() if "train-op" in tasks]
+    cond = conditions[parallel]
+    assert "ingest-op" in cond and "max_records_per_gpu" in cond and " > " in cond, cond
+    assert conditions[single].startswith("!(") and cond in conditions[single]  # the Else
+    for branch, trainer in ((parallel, "train-job-op"), (single, "train-op")):
+        tasks = comps[branch]["dag"]["tasks"]
+        (shadow,) = [t for t in tasks if t.startswith("shadow-eval-op")]
+        (reg,) = [t for t in tasks if t.startswith("register-op")]
+        for t in (shadow, reg):  # this branch's challenger is what gets evaluated and registered
+            producer = tasks[t]["inputs"]["artifacts"]["challenger"]["taskOutputArtifact"]["producerTask"]
+            assert producer == trainer, (branch, t, producer)
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"max_records_per_gpu", "train_workers", "train_namespace", "grad_accum"} <= set(params)
 
 
 def test_pipeline_runs_locally_and_registers_a_version_with_exact_lineage(tmp_path, tiny32, mlflow_server):

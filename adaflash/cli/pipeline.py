@@ -1,5 +1,6 @@
 """`adaflash pipeline ...`: compile the continual-training pipeline, run it locally (kfp.local),
-schedule it on a Kubeflow cluster, or watch the buffer and run it when enough data arrived."""
+schedule it on a Kubeflow cluster, or watch the buffer and run it when enough data arrived; and
+`train-step`, the train step as a command of its own (each rank of a data-parallel PyTorchJob)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,55 @@ pipeline_app = typer.Typer(
     no_args_is_help=True, help="The continual-training pipeline (Kubeflow Pipelines v2)."
 )
 app.add_typer(pipeline_app, name="pipeline")
-PIPELINE_IR = Path("manifests/pipelines/continual_training.yaml")
 
 
 @pipeline_app.command("compile")
-def pipeline_compile(out: Annotated[Path, typer.Option(help="IR YAML to write")] = PIPELINE_IR) -> None:
-    """Compile the pipeline to KFP IR YAML (committed; CI checks it for drift)."""
+def pipeline_compile(
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="local: no accelerator (kfp.local, local-kind); production: GPU train + shadow eval, "
+            "data-parallel PyTorchJob past max_records_per_gpu"
+        ),
+    ] = "local",
+    out: Annotated[
+        Path | None,
+        typer.Option(help="IR YAML to write [default: where the manifests expect the profile's IR]"),
+    ] = None,
+) -> None:
+    """Compile the pipeline to KFP IR YAML (both profiles committed; CI checks them for drift)."""
     from adaflash.pipelines.continual import compile_pipeline
 
-    console.print(f"wrote {compile_pipeline(out)}")
+    try:
+        console.print(f"wrote {compile_pipeline(out, profile)}")  # type: ignore[arg-type]
+    except ValueError as e:
+        raise InputError(str(e)) from e
+
+
+@pipeline_app.command("train-step")
+def pipeline_train_step(
+    snapshot: Annotated[Path, typer.Option(help="snapshot directory (what the ingest step wrote)")],
+    champion: Annotated[Path, typer.Option(help="drafter directory to warm-start from")],
+    out: Annotated[Path, typer.Option(help="challenger directory to write")],
+    target: TargetOpt = "smollm2",
+    recipe: Annotated[
+        Path | None,
+        typer.Option(help="OnlineConfig as JSON (a PyTorchJob's recipe.json) [default: defaults]"),
+    ] = None,
+    parent: Annotated[str, typer.Option(help="the champion's registry version, for lineage")] = "",
+) -> None:
+    """The pipeline's train step on its own. Under `torchrun --nproc-per-node N` it trains
+    data-parallel (NCCL on GPUs, gloo on CPUs) with the same global batch; rank 0 writes."""
+    import json
+    import os
+
+    from adaflash.components.steps import train_process
+    from adaflash.training.online import OnlineConfig
+
+    cfg = OnlineConfig(**json.loads(recipe.read_text())) if recipe else OnlineConfig()
+    summary = train_process(target, snapshot, champion, parent or None, out, cfg)
+    if os.environ.get("RANK", "0") == "0":  # torchrun's global rank: one line per job, not per rank
+        console.print(f"challenger in {out}: {summary}")
 
 
 @pipeline_app.command("run")

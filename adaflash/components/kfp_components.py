@@ -4,14 +4,14 @@ Each body only moves artifacts (paths in, metadata and metrics out) and calls on
 tests of `steps` test what the pipeline runs. Bodies import what they need (KFP ships only the
 function's source to the executor). Locally they run through
 `kfp.local.SubprocessRunner(use_venv=False)` in this environment; on a cluster they run in
-`IMAGE`, which is this package installed (see manifests/).
+`IMAGE` (components/cluster.py), which is this package installed (see manifests/).
 """
 
 # No `from __future__ import annotations`: KFP reads the real annotation objects (Input[Dataset]...).
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
-IMAGE = "ghcr.io/adaflash/adaflash:0.1.0"
+from adaflash.components.cluster import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
@@ -50,18 +50,52 @@ def train_op(
     epochs: int,
     lr: float,
     random_anchors: int,
+    grad_accum: int,
     challenger: Output[Model],
 ):
-    """Warm-start from the champion; OPD (or osd / fkl) on the snapshot's training records."""
+    """Warm-start from the champion; OPD (or osd / fkl) on the snapshot's training records, in
+    this process, on its GPU when it has one (the target's forward for the teacher and the
+    drafter's context features runs here too)."""
     from pathlib import Path
 
-    from adaflash.components.steps import Snapshot, train
-    from adaflash.models.targets import load_target
+    from adaflash.components.steps import Snapshot, step_target, train
     from adaflash.training.online import OnlineConfig
 
-    cfg = OnlineConfig(loss=loss, epochs=epochs, lr=lr, random_anchors=random_anchors)
-    summary = train(load_target(target), Snapshot.load(Path(snapshot.path)), Path(champion.path),
+    cfg = OnlineConfig(loss=loss, epochs=epochs, lr=lr, random_anchors=random_anchors, grad_accum=grad_accum)
+    summary = train(step_target(target), Snapshot.load(Path(snapshot.path)), Path(champion.path),
                     champion.metadata.get("version"), Path(challenger.path), cfg)  # fmt: skip
+    challenger.metadata.update(summary)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def train_job_op(
+    target: str,
+    snapshot: Input[Dataset],
+    champion: Input[Model],
+    loss: str,
+    epochs: int,
+    lr: float,
+    random_anchors: int,
+    grad_accum: int,
+    governance_dir: str,
+    workers: int,
+    namespace: str,
+    timeout_minutes: int,
+    challenger: Output[Model],
+):
+    """The same training, data-parallel: a PyTorchJob of `workers` GPU pods running `torchrun`
+    (components/trainjob.py). This task only stages the inputs on the shared volume, submits the
+    job, waits for it and collects the challenger; it needs no GPU itself."""
+    from pathlib import Path
+
+    from adaflash.components.trainjob import TrainJob, run_train_job
+    from adaflash.training.online import OnlineConfig
+
+    cfg = OnlineConfig(loss=loss, epochs=epochs, lr=lr, random_anchors=random_anchors, grad_accum=grad_accum)
+    job = TrainJob.for_inputs(target, Path(snapshot.path), champion.metadata.get("version"), cfg,
+                              Path(governance_dir), workers, namespace)  # fmt: skip
+    summary = run_train_job(job, Path(snapshot.path), Path(champion.path), Path(challenger.path),
+                            timeout_s=timeout_minutes * 60)  # fmt: skip
     challenger.metadata.update(summary)
 
 
@@ -88,6 +122,8 @@ def shadow_eval_op(
 
     policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric)
     held = Snapshot.load(Path(snapshot.path)).heldout
+    # On the CPU even on its GPU node: the serving engine it measures creates its tensors on the
+    # CPU (only training is device-clean so far, tests/test_device.py).
     shadow = shadow_gate(load_target(target), held, Path(champion.path), Path(challenger.path), policy,
                          concurrency, max_new_tokens)  # fmt: skip
     Path(report.path).write_text(json.dumps(shadow.to_dict()))

@@ -2,7 +2,8 @@
 
   ingest       clean records not yet trained on → a snapshot (train + held-out split) with lineage
   champion     the registry's champion (or the bootstrap drafter before the first promotion)
-  train        warm-start from the champion, OPD (or a baseline) on the snapshot → challenger dir
+  train        warm-start from the champion, OPD (or a baseline) on the snapshot → challenger dir;
+               `train_process` is the same as a process of its own (one rank of a torchrun launch)
   shadow_gate  challenger vs champion on the held-out records (served on the engine, same prompts, one
                AR reference), then `gate`: promote only when the challenger wins by a margin
                and no domain regresses
@@ -23,11 +24,17 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adaflash.errors import AdaFlashError
 from adaflash.feedback.schema import CleanRecord
 from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.lineage import LineageStore
+
+if TYPE_CHECKING:  # annotations only: the steps import models and training inside the functions
+    from adaflash.models.targets import Target
+    from adaflash.training.distributed import DataParallel
+    from adaflash.training.online import OnlineConfig
 
 
 @dataclass
@@ -305,16 +312,55 @@ def champion(target: str, tracking_uri: str, fallback_dir: str, out: Path) -> Ch
     return Champion(version, version or f"bootstrap:{fallback_dir}")
 
 
-def train(target, snapshot: Snapshot, champion_dir: Path, parent: str | None, out: Path, cfg) -> dict:
-    """Warm-start from the champion and train on the snapshot's records (`cfg`: an OnlineConfig);
-    the challenger lands in `out` with its lineage (records, parent). Returns its summary."""
+def step_target(spec: str) -> Target:
+    """The target of a GPU step (feature extraction + train, shadow eval): on this pod's GPU when
+    it has one, else on the CPU (kfp.local, the local-kind overlay)."""
+    from adaflash.models.targets import compute_device, load_target
+
+    return load_target(spec, device=compute_device())
+
+
+def train(
+    target: Target,
+    snapshot: Snapshot,
+    champion_dir: Path,
+    parent: str | None,
+    out: Path,
+    cfg: OnlineConfig,
+    data_parallel: DataParallel | None = None,
+) -> dict:
+    """Warm-start from the champion and train on the snapshot's records (`cfg`: an OnlineConfig;
+    `data_parallel`: this rank's `DataParallel` when launched by torchrun); the challenger lands
+    in `out` with its lineage (records, parent). Returns its summary."""
     from adaflash.models.checkpoint import load_drafter_for
     from adaflash.training.online import OnlineTrainer
 
     lineage = {"train_record_ids": snapshot.lineage["train_record_ids"], "parent": parent}
-    trainer = OnlineTrainer(target, load_drafter_for(champion_dir, target), out, cfg)
+    bundle = load_drafter_for(champion_dir, target)
+    trainer = OnlineTrainer(target, bundle, out, cfg, data_parallel=data_parallel)
     metrics = trainer.train(snapshot.train, lineage=lineage)
-    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"]}
+    world = data_parallel.world_size if data_parallel else 1
+    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"], "workers": world}
+
+
+def train_process(
+    target_spec: str, snapshot_dir: Path, champion_dir: Path, parent: str | None, out: Path, cfg: OnlineConfig
+) -> dict:
+    """`train` as a process of its own: alone, or one rank of `torchrun` (it joins the process
+    group the launcher describes; NCCL on a GPU, gloo on the CPU). Rank 0 writes the challenger to
+    `out` and the summary to `out`/TRAIN_SUMMARY; every rank returns the summary."""
+    from adaflash.training.distributed import process_group
+
+    with process_group() as dp:
+        summary = train(
+            step_target(target_spec), Snapshot.load(snapshot_dir), champion_dir, parent, out, cfg, dp
+        )
+        if dp is None or dp.is_main:
+            (out / TRAIN_SUMMARY).write_text(json.dumps(summary))
+    return summary
+
+
+TRAIN_SUMMARY = "train_summary.json"
 
 
 def register(

@@ -18,11 +18,11 @@ from adaflash.models.transformer import KVCache, TargetModel
 
 
 def pad_batch(rows: Sequence[Sequence[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [B, T] tokens and per-row lengths."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    out = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
+    """Right-padded [B, T] tokens and per-row lengths, on the CPU (callers move them)."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device="cpu")
+    out = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        out[i, : len(r)] = torch.tensor(list(r), dtype=torch.long, device="cpu")
     return out, lengths
 
 

@@ -210,17 +210,29 @@ def smollm2_dir() -> Path:
     return out
 
 
-def load_target(spec: str, dtype: torch.dtype = torch.float32) -> Target:
+def compute_device() -> torch.device:
+    """Where a training or evaluation step runs: this process's GPU when it has one (the one
+    `torch.cuda.set_device` chose, e.g. a torchrun rank's), else the CPU. The one place the choice
+    is made; everything downstream follows the device of the tensors it is handed."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load_target(spec: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Target:
     if spec == "tiny":
-        return tiny_target(dtype)
-    if spec == "smollm2":
-        return load_target_dir(smollm2_dir(), dtype, name="smollm2")
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return load_target_dir(path, dtype)
-    raise AdaFlashError(
-        f"unknown target {spec!r}: use 'smollm2', 'tiny' or a directory with an HF Llama/Qwen3 checkpoint"
-    )
+        target = tiny_target(dtype)
+    elif spec == "smollm2":
+        target = load_target_dir(smollm2_dir(), dtype, name="smollm2")
+    elif (path := Path(spec).expanduser()).is_dir():
+        target = load_target_dir(path, dtype)
+    else:
+        raise AdaFlashError(
+            f"unknown target {spec!r}: use 'smollm2', 'tiny' or a directory with an HF Llama/Qwen3 checkpoint"
+        )
+    # Built on the CPU (the fingerprint hashes CPU weights), then moved: a no-op on the CPU.
+    target.model.to(device)
+    return target
 
 
 @dataclass(frozen=True)

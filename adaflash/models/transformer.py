@@ -52,12 +52,19 @@ class KVCache:
     lengths: torch.Tensor  # [B] committed tokens per request
 
     @classmethod
-    def allocate(cls, config: TargetConfig, batch: int, capacity: int, dtype: torch.dtype) -> KVCache:
+    def allocate(
+        cls,
+        config: TargetConfig,
+        batch: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
         shape = (config.num_layers, batch, config.num_kv_heads, capacity, config.head_dim)
         return cls(
-            k=torch.zeros(shape, dtype=dtype),
-            v=torch.zeros(shape, dtype=dtype),
-            lengths=torch.zeros(batch, dtype=torch.long),
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
     @property
@@ -156,7 +163,7 @@ class TargetModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache.allocate(self.config, batch, capacity, self.dtype)
+        return KVCache.allocate(self.config, batch, capacity, self.dtype, self.embed_tokens.weight.device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
@@ -191,14 +198,14 @@ class TargetModel(nn.Module):
         concatenated into `features` — the drafter's context features.
         """
         B, T = tokens.shape
-        positions = cache.lengths[:, None] + torch.arange(T)[None, :]
+        positions = cache.lengths[:, None] + torch.arange(T, device=tokens.device)[None, :]
         span = int(positions.max()) + 1
         if span > cache.capacity:
             raise ValueError(f"KV cache capacity {cache.capacity} exceeded (need {span})")
         c = self.config
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, self.dtype)
         # Causal on absolute positions: hides stale (rejected) entries and other requests' padding.
-        mask = (torch.arange(span)[None, None, :] <= positions[:, :, None])[:, None]
+        mask = (torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None])[:, None]
         x = self.embed_tokens(tokens)
         captured: list[torch.Tensor] = []
         wanted = set(capture_layers)

@@ -6,13 +6,22 @@ In `auto` mode a challenger that beats the champion is promoted inside the run; 
 the run ends with it registered as `challenger`, tagged pending approval, and a person promotes it
 with `adaflash registry approve VERSION` or the approval tag in the MLflow UI — nothing blocks
 inside the pipeline. An exit handler records every run's final state, failures included.
+
+Two builds of the same pipeline (`adaflash pipeline compile --profile ...`):
+  local       what kfp.local runs here and the local-kind overlay ships: no accelerator anywhere;
+  production  train and shadow eval request one GPU each on GPU nodes (the train task runs the
+              frozen target's feature extraction too: the trainer recomputes target supervision
+              itself, DESIGN §1), and a training window larger than `max_records_per_gpu` trains
+              data-parallel instead, as a PyTorchJob of `train_workers` GPU pods (`train_job_op`).
 """
 
 # No `from __future__ import annotations`: KFP reads the parameters' real annotation objects.
 from pathlib import Path
+from typing import Literal
 
 from kfp import compiler, dsl, kubernetes
 
+from adaflash.components.cluster import GPU_NODE_SELECTOR, GPU_RESOURCE, GPU_TOLERATION, VOLUMES
 from adaflash.components.kfp_components import (
     champion_op,
     ingest_op,
@@ -20,17 +29,25 @@ from adaflash.components.kfp_components import (
     record_run_op,
     register_op,
     shadow_eval_op,
+    train_job_op,
     train_op,
 )
 from adaflash.components.steps import GATE_METRICS, GATE_MODES, LOSSES
 
 PIPELINE_NAME = "adaflash-continual-training"
-# On a cluster every step mounts the volumes of manifests/base/storage.yaml where the governance
-# Deployment has them: the buffer + lineage store, and the target. kfp.local ignores this config.
-VOLUMES = {"governance-data": "/data/governance", "target-model": "/models/target"}
+Profile = Literal["local", "production"]
+PROFILES: tuple[Profile, ...] = ("local", "production")
+# Where `adaflash pipeline compile` writes each build: the local one is what manifests/pipelines
+# ships (base and local-kind), the production overlay replaces it with its own.
+IR_PATHS: dict[str, Path] = {
+    "local": Path("manifests/pipelines/continual_training.yaml"),
+    "production": Path("manifests/overlays/production/pipeline/continual_training.yaml"),
+}
 
 
 def _on_shared_volume(*tasks) -> None:
+    # On a cluster every step mounts the volumes of manifests/base/storage.yaml where the governance
+    # Deployment has them. kfp.local ignores this config.
     for t in tasks:
         for pvc, path in VOLUMES.items():
             kubernetes.mount_pvc(t, pvc_name=pvc, mount_path=path)
@@ -57,76 +74,165 @@ def _kafka_client(*tasks) -> None:
         kubernetes.use_secret_as_volume(t, "adaflash-cluster-ca-cert", mount_path="/etc/adaflash/kafka-ca")
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="OPD retraining of the served drafter with a shadow-eval gate")
-def continual_training(
-    target: str,
-    governance_dir: str,
-    tracking_uri: str,
-    fallback_drafter: str,
-    bootstrap_servers: str = "",
-    min_records: int = 128,
-    heldout_fraction: float = 0.2,
-    loss: str = "opd",
-    epochs: int = 2,
-    lr: float = 3e-4,
-    random_anchors: int = 0,
-    concurrency: int = 8,
-    max_new_tokens: int = 64,
-    min_gain: float = 0.02,
-    max_domain_regression: float = 0.02,
-    gate_metric: str = "tau_full",
-    gate_mode: str = "auto",
-):
-    exit_task = record_run_op(governance_dir=governance_dir)
-    _on_shared_volume(exit_task)
-    with dsl.ExitHandler(exit_task, name="record-run"):
-        snap = ingest_op(
-            governance_dir=governance_dir, min_records=min_records, heldout_fraction=heldout_fraction
-        )
-        champ = champion_op(target=target, tracking_uri=tracking_uri, fallback_dir=fallback_drafter)
-        trained = train_op(
-            target=target,
-            snapshot=snap.outputs["snapshot"],
-            champion=champ.outputs["champion"],
-            loss=loss,
-            epochs=epochs,
-            lr=lr,
-            random_anchors=random_anchors,
-        )
+def _on_one_gpu(*tasks) -> None:
+    for t in tasks:
+        t.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
+        for key, value in GPU_NODE_SELECTOR.items():
+            kubernetes.add_node_selector(t, label_key=key, label_value=value)
+        kubernetes.add_toleration(t, **GPU_TOLERATION.to_k8s())
+
+
+def _build(profile: Profile):
+    gpu = profile == "production"
+
+    def gate_and_register(p: dict, snap, champ, challenger) -> None:
+        """shadow eval → register → gate → promote, for the challenger of either training path.
+
+        The production build calls it once per branch rather than merging the branches'
+        challengers with dsl.OneOf: kfp.local (2.17) fails on an artifact OneOf (tried), while
+        If/Else with each branch's own downstream tasks is what it runs."""
         shadow = shadow_eval_op(
-            target=target,
+            target=p["target"],
             snapshot=snap.outputs["snapshot"],
             champion=champ.outputs["champion"],
-            challenger=trained.outputs["challenger"],
-            concurrency=concurrency,
-            max_new_tokens=max_new_tokens,
-            min_gain=min_gain,
-            max_domain_regression=max_domain_regression,
-            gate_metric=gate_metric,
+            challenger=challenger,
+            concurrency=p["concurrency"],
+            max_new_tokens=p["max_new_tokens"],
+            min_gain=p["min_gain"],
+            max_domain_regression=p["max_domain_regression"],
+            gate_metric=p["gate_metric"],
         )
         reg = register_op(
-            target=target,
-            tracking_uri=tracking_uri,
-            bootstrap_servers=bootstrap_servers,
-            governance_dir=governance_dir,
-            gate_mode=gate_mode,
+            target=p["target"],
+            tracking_uri=p["tracking_uri"],
+            bootstrap_servers=p["bootstrap_servers"],
+            governance_dir=p["governance_dir"],
+            gate_mode=p["gate_mode"],
             decision=shadow.outputs["Output"],
             snapshot=snap.outputs["snapshot"],
-            challenger=trained.outputs["challenger"],
+            challenger=challenger,
             report=shadow.outputs["report"],
         )
-        _on_shared_volume(snap, champ, trained, shadow, reg)
+        _on_shared_volume(shadow, reg)
         _kafka_client(reg)
+        if gpu:
+            _on_one_gpu(shadow)
         with dsl.If(shadow.outputs["Output"] == "promote", name="challenger-wins"):
-            with dsl.If(gate_mode == "auto", name="auto-promotion"):
+            with dsl.If(p["gate_mode"] == "auto", name="auto-promotion"):
                 promoted = promote_op(
-                    target=target,
-                    tracking_uri=tracking_uri,
-                    bootstrap_servers=bootstrap_servers,
+                    target=p["target"],
+                    tracking_uri=p["tracking_uri"],
+                    bootstrap_servers=p["bootstrap_servers"],
                     version=reg.output,
                     reason="shadow evaluation: beat the champion by the configured margin",
                 )
                 _kafka_client(promoted)
+
+    def body(p: dict) -> None:
+        """The pipeline, given its parameters (`locals()` of the decorated function)."""
+        exit_task = record_run_op(governance_dir=p["governance_dir"])
+        _on_shared_volume(exit_task)
+        with dsl.ExitHandler(exit_task, name="record-run"):
+            snap = ingest_op(
+                governance_dir=p["governance_dir"],
+                min_records=p["min_records"],
+                heldout_fraction=p["heldout_fraction"],
+            )
+            champ = champion_op(
+                target=p["target"], tracking_uri=p["tracking_uri"], fallback_dir=p["fallback_drafter"]
+            )
+            _on_shared_volume(snap, champ)
+            train_args = {
+                "target": p["target"],
+                "snapshot": snap.outputs["snapshot"],
+                "champion": champ.outputs["champion"],
+                **{k: p[k] for k in ("loss", "epochs", "lr", "random_anchors", "grad_accum")},
+            }
+            if not gpu:
+                trained = train_op(**train_args)
+                _on_shared_volume(trained)
+                gate_and_register(p, snap, champ, trained.outputs["challenger"])
+                return
+            # The window's size is known only once ingest has run: branch on it at run time.
+            with dsl.If(snap.outputs["Output"] > p["max_records_per_gpu"], name="data-parallel"):
+                job = train_job_op(
+                    **train_args,
+                    governance_dir=p["governance_dir"],
+                    workers=p["train_workers"],
+                    namespace=p["train_namespace"],
+                    timeout_minutes=p["train_timeout_minutes"],
+                )
+                _on_shared_volume(job)  # it stages the inputs on governance-data for the job's pods
+                gate_and_register(p, snap, champ, job.outputs["challenger"])
+            with dsl.Else(name="one-gpu"):
+                trained = train_op(**train_args)
+                _on_shared_volume(trained)
+                _on_one_gpu(trained)
+                gate_and_register(p, snap, champ, trained.outputs["challenger"])
+
+    description = "OPD retraining of the served drafter with a shadow-eval gate"
+    if not gpu:
+
+        @dsl.pipeline(name=PIPELINE_NAME, description=description)
+        def continual_training(
+            target: str,
+            governance_dir: str,
+            tracking_uri: str,
+            fallback_drafter: str,
+            bootstrap_servers: str = "",
+            min_records: int = 128,
+            heldout_fraction: float = 0.2,
+            loss: str = "opd",
+            epochs: int = 2,
+            lr: float = 3e-4,
+            random_anchors: int = 0,
+            grad_accum: int = 2,
+            concurrency: int = 8,
+            max_new_tokens: int = 64,
+            min_gain: float = 0.02,
+            max_domain_regression: float = 0.02,
+            gate_metric: str = "tau_full",
+            gate_mode: str = "auto",
+        ):
+            body(locals())
+
+        return continual_training
+
+    @dsl.pipeline(name=PIPELINE_NAME, description=description + " (GPU; data-parallel past one GPU)")
+    def continual_training_production(
+        target: str,
+        governance_dir: str,
+        tracking_uri: str,
+        fallback_drafter: str,
+        bootstrap_servers: str = "",
+        min_records: int = 128,
+        heldout_fraction: float = 0.2,
+        loss: str = "opd",
+        epochs: int = 2,
+        lr: float = 3e-4,
+        random_anchors: int = 0,
+        grad_accum: int = 2,  # records per optimiser step: the global batch, whatever the worker count
+        concurrency: int = 8,
+        max_new_tokens: int = 64,
+        min_gain: float = 0.02,
+        max_domain_regression: float = 0.02,
+        gate_metric: str = "tau_full",
+        gate_mode: str = "auto",
+        # A window of more training records than this trains data-parallel. Set it to what one GPU
+        # trains within the schedule's budget (not measured here: these machines have no GPU).
+        max_records_per_gpu: int = 20000,
+        train_workers: int = 2,  # PyTorchJob pods, one GPU each; must divide grad_accum
+        train_namespace: str = "adaflash",  # where the PVCs are: the job's pods mount them
+        train_timeout_minutes: int = 360,
+    ):
+        body(locals())
+
+    return continual_training_production
+
+
+continual_training = _build("local")
+continual_training_production = _build("production")
+PIPELINES = {"local": continual_training, "production": continual_training_production}
 
 
 def run_local(pipeline_root: Path, **params) -> None:
@@ -144,7 +250,11 @@ def run_local(pipeline_root: Path, **params) -> None:
     continual_training(**params)
 
 
-def compile_pipeline(path: Path) -> Path:
+def compile_pipeline(path: Path | None = None, profile: Profile = "local") -> Path:
+    """Write the IR of one build (`path` defaults to where the manifests expect it)."""
+    if profile not in PIPELINES:
+        raise ValueError(f"unknown profile {profile!r}: choose {' or '.join(PROFILES)}")
+    path = path or IR_PATHS[profile]
     path.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(continual_training, str(path))
+    compiler.Compiler().compile(PIPELINES[profile], str(path))
     return path

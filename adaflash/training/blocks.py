@@ -35,6 +35,7 @@ def sequence_pass(
     """One padded target forward over the sequences; features for all positions and, when
     `teacher_from[i]` is given, teacher log-probs for rows teacher_from[i]-1 .. L-2 (others 0)."""
     tokens, lengths = pad_batch(sequences)
+    tokens = tokens.to(target.embed_tokens.weight.device)  # the target's device: CPU, or the step's GPU
     cache = target.new_cache(len(sequences), tokens.shape[1] + 1)
     out = target(tokens, cache, capture_layers=layer_ids)
     passes = []
@@ -43,7 +44,7 @@ def sequence_pass(
         teacher = None
         if teacher_from is not None:
             start = max(teacher_from[i] - 1, 0)
-            teacher = torch.zeros(L, target.config.vocab_size, dtype=torch.float32)
+            teacher = torch.zeros(L, target.config.vocab_size, dtype=torch.float32, device=tokens.device)
             teacher[start : L - 1] = F.log_softmax(
                 target.logits(out.hidden[i, start : L - 1]).float(), dim=-1
             )
@@ -57,7 +58,7 @@ def block_inputs(
     """Block tokens [A, k] = [x_p, MASK...], positions [A, k], and labels [A, k-1] (x_{p+i},
     -1 past the sequence end)."""
     L = tokens.numel()
-    offs = torch.arange(block_size)
+    offs = torch.arange(block_size, device=tokens.device)
     positions = anchors[:, None] + offs[None, :]
     block = torch.full_like(positions, mask_token_id)
     block[:, 0] = tokens[anchors]
@@ -77,7 +78,7 @@ def block_hidden(
     k = drafter.block_size
     block, positions, labels = block_inputs(seq.tokens, anchors, k, drafter.config.mask_token_id)
     span = int(anchors.max())
-    ctx_pos = torch.arange(span)[None, :]
+    ctx_pos = torch.arange(span, device=anchors.device)[None, :]
     dtype = drafter.fc.weight.dtype
     kv = drafter.context_kv(seq.features[None, :span].to(dtype), ctx_pos)
     A = anchors.numel()

@@ -24,7 +24,9 @@ def drafter_loss(
     return kernels.drafter_loss_rows(name, logits, teacher_logprobs, alpha, delta)
 
 
-def position_weights(block_size: int, decay: float | None) -> torch.Tensor:
+def position_weights(
+    block_size: int, decay: float | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Weights of draft positions 1..k-1: exp(-(i-1)/decay) (DFlash), or uniform."""
-    i = torch.arange(1, block_size, dtype=torch.float32)
+    i = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(i - 1) / decay) if decay else torch.ones_like(i)

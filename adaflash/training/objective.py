@@ -60,9 +60,9 @@ def block_objective(
     # rows and the counterfactual acceptance.
     logits = target.logits(hidden[:, 1:][full])
     teacher = sp.teacher_logprobs[(positions[:, 1:] - 1)[full]]
-    use = torch.ones(logits.shape[0], dtype=torch.bool)
+    use = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     if objective.loss == "osd" and served_accepted is not None:
-        pos = torch.arange(1, k)[None, :].expand_as(labels)
+        pos = torch.arange(1, k, device=labels.device)[None, :].expand_as(labels)
         rejected = (served_accepted[:, None] < 0) | (pos > served_accepted[:, None])
         use = rejected[full]
     if objective.loss == "osd":
