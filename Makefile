@@ -70,14 +70,24 @@ clean:
 	rm -rf $(VENV) .cache .pytest_cache .adaflash
 
 # -- serving (issue 3) -----------------------------------------------------------------------------
-.PHONY: serve bench-serving
+.PHONY: serve bench-serving bench-peers
 DRAFTER ?= drafters/smollm2
 
 serve: setup
 	$(VENV)/bin/adaflash serve --target smollm2 --drafter $(DRAFTER) --port 8000
 
+# The llama.cpp peer of `adaflash bench` (the `bench` extra): llama-cpp-python has no wheel for
+# this platform on PyPI, so its source package is built once (~15-25 min on 2 cores) into
+# .cache/wheels and installed from there on later runs.
+bench-peers: setup
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { \
+		ls .cache/wheels/llama_cpp_python-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
+			$(PIP) wheel -q --no-deps -w .cache/wheels llama-cpp-python==0.3.36; \
+		$(PIP) install -q -c constraints.txt --find-links .cache/wheels '.[bench]'; }
+
 # The serving benchmark of BENCHMARKS.md (~30 min on 2 cores with one torch thread).
-bench-serving: setup
+bench-serving: setup bench-peers
 	ADAFLASH_THREADS=1 $(PY) scripts/bench_serving.py --drafter $(DRAFTER) --out benchmarks/serving
 
 # -- feedback bus + governance (issue 4) -------------------------------------------------------------

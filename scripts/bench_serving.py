@@ -13,7 +13,7 @@ from adaflash.cli import main
 
 DEFAULTS = [
     "--target", "smollm2",
-    "--methods", "ar,dflash,adaflash",
+    "--methods", "ar,ngram,dflash,adaflash,adaflash-cost",
     "--concurrency", "1,8,32",
     "--domains", "math,code,chat,blend",
     "--max-new-tokens", "64",

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from adaflash.bench.serving import BenchSpec, hf_model, run_bench, serve_peak_rss
+from adaflash.bench.peers import hf_model
+from adaflash.bench.serving import BenchSpec, run_bench, serve_peak_rss
 from adaflash.bench.serving_report import write_outputs
 from adaflash.workloads import default_data_dir
 from tests.conftest import make_bundle
@@ -41,6 +42,16 @@ def test_bench_grid_report_and_plots(tiny64, tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| math | 3 | adaflash |" in md and "AdaFlash ≥ DFlash, math C=3" in md
     assert "transformers.generate" in md
+    # The machine's bounds come from the same run; C=32 did not run, so only the C=1 fraction.
+    roof = result["roofline"]
+    assert roof["read_bandwidth_gbs"] > 0 and roof["matmul_gflops"] > 0 and "ar_c32_gflops" not in roof
+    ar1 = next(c for c in cells if c["method"] == "ar" and c["domain"] == "blend" and c["concurrency"] == 1)
+    unique = {id(p): p for p in tiny64.model.parameters()}.values()
+    assert roof["weight_bytes"] == sum(p.numel() * p.element_size() for p in unique)
+    assert roof["ar_c1_weight_gbs"] == pytest.approx(roof["weight_bytes"] * ar1["tps"] / 1e9)
+    assert "Machine bounds measured in this run" in md and "of the bandwidth bound" in md
+    # tiny has no GGUF file: the llama.cpp peer says why it did not run instead of a row.
+    assert "skipped" in result["llamacpp"] and "llama.cpp peer: not run" in md
     saved = json.loads((tmp_path / "results.json").read_text())
     assert "rounds" not in saved["cells"][0] and saved["machine"]["torch_threads"] >= 1
     # The transformers copy computes the same function as our runner.
@@ -54,3 +65,19 @@ def test_bench_grid_report_and_plots(tiny64, tmp_path):
 def test_serve_cli_peak_rss(tiny32):
     out = serve_peak_rss("tiny", None, ["a", "b", "c"], 3, 8, log=lambda s: None)
     assert out["codes"] == [200] and out["peak_rss_mb"] >= out["rss_idle_mb"] > 0
+
+
+@pytest.mark.smollm2
+def test_llamacpp_peer_runs_the_targets_gguf():
+    """llama.cpp (the `bench` extra) decodes the GGUF the target came from; its rows carry the
+    numerics caveat. Skips only when llama-cpp-python is not installed (`make bench-peers`)."""
+    from adaflash.bench.peers import gguf_path, llamacpp_available, llamacpp_tps
+    from adaflash.models.targets import load_target
+
+    if why := llamacpp_available():
+        pytest.skip(why)
+    target = load_target("smollm2")
+    ids = [target.tokenizer.chat_prompt("Write a haiku about the sea.")]
+    for k in (0, 8):
+        row = llamacpp_tps(gguf_path(target), ids, 24, 1, k)
+        assert row["output_tokens"] > 0 and row["tps"] > 0 and "quantised" in row["numerics"]

@@ -8,8 +8,9 @@ AR, τ (tokens per round incl. bonus), mean verified length k̂, P50/P95/P99 end
 TTFT, ITL (gaps between the token *chunks* a streaming client receives: a round's accepted
 tokens arrive together) and TPOT, and how many outputs equal AR's.
 
-Also: our AR against `transformers` `generate` at equal batch on the same prompts, the peak
-RSS of the process after the grid, optionally the peak RSS of a real `adaflash serve` under
+Also (`bench.peers`): our AR against `transformers` `generate` at equal batch and llama.cpp at
+batch 1 on the same prompts, the machine's bandwidth and matmul bounds with the fraction our AR
+reaches, the peak RSS of the process after the grid, optionally the peak RSS of a real `adaflash serve` under
 C concurrent clients, and PNG plots (speedup vs concurrency; acceptance by block position; â vs
 a* calibration from fixed-k rounds, which are not censored by k̂): `bench.serving_report` writes them.
 """
@@ -27,6 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adaflash.bench.peers import (
+    gguf_path,
+    hf_generate_tps,
+    hf_model,
+    llamacpp_available,
+    llamacpp_tps,
+    machine_bounds,
+    roofline,
+)
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
@@ -44,6 +54,8 @@ class BenchSpec:
     gamma: float = 1.0
     probe_every: int = 1  # EngineConfig.probe_every (1 = the published method)
     hf_baseline: bool = True
+    llamacpp: bool = True  # llama.cpp at C = 1 when llama-cpp-python is installed (else a note)
+    bounds: bool = True  # the machine's bandwidth/matmul bounds and our AR's fraction of them
     data_dir: Path | None = None
 
 
@@ -120,70 +132,6 @@ def run_cell(
         "rounds": [(rd.verify_len, rd.accepted, rd.a_hat) for rd in rounds],
     }
     return cell, [r.output_ids for r in reqs]
-
-
-def hf_model(target: Target):
-    """The same weights as a `transformers` model (Llama or Qwen3), for the generate() baseline."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    c = target.config
-    kw = dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=c.attention_bias,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-    )
-    cfg, cls = (
-        (Qwen3Config(**kw), Qwen3ForCausalLM) if c.arch == "qwen3" else (LlamaConfig(**kw), LlamaForCausalLM)
-    )
-    model = cls(cfg).to(target.model.dtype)
-    state = {f"model.{k}": v for k, v in target.model.state_dict().items() if not k.startswith("lm_head")}
-    state["lm_head.weight"] = target.model.lm_head.weight
-    model.load_state_dict(state, strict=False)
-    return model.eval()
-
-
-@torch.no_grad()
-def hf_generate_tps(model, target: Target, prompts: list[list[int]], batch: int, max_new: int) -> dict:
-    eos = list(target.tokenizer.eos_token_ids)
-    pad = eos[0] if eos else 0
-    tokens = 0
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=eos or None,
-            pad_token_id=pad,
-        )
-        for row in out[:, width:].tolist():
-            n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            tokens += n
-    wall = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0
-    return {
-        "batch": batch,
-        "requests": len(prompts),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        # CPU seconds / wall seconds of this process: < torch threads means something else ran.
-        "cpu_share": cpu / wall,
-        "tps": tokens / wall,
-    }
 
 
 def peak_rss_mb() -> float:
@@ -265,7 +213,35 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
             base.append({**hf, "domain": dom, "ours_ar_tps": ours["tps"], "ratio": ours["tps"] / hf["tps"]})
             log(f"HF generate batch {conc}: {hf['tps']:.2f} tok/s vs our AR {ours['tps']:.2f}")
         result["hf_baseline"] = base
+    ours = {(c["domain"], c["concurrency"], c["method"]): c for c in cells}
+    if spec.bounds and "ar" in spec.methods:
+        log("machine bounds (read bandwidth, matmul) ...")
+        dom = "blend" if "blend" in prompts else spec.domains[0]
+        c1, c32 = (ours.get((dom, c, "ar"), {}).get("tps") for c in (1, 32))
+        result["roofline"] = {"domain": dom, **roofline(target, c1, c32, machine_bounds(target.model.dtype))}
+    if spec.llamacpp and "ar" in spec.methods and 1 in spec.concurrency:
+        result["llamacpp"] = llamacpp_rows(target, bundle, spec, prompts, n_cell[1], ours, log)
     return result
+
+
+def llamacpp_rows(target, bundle, spec: BenchSpec, prompts, n: int, ours: dict, log) -> dict:
+    """llama.cpp plain and prompt-lookup decoding at batch 1, per domain, next to our C = 1 cells."""
+    gguf = gguf_path(target)
+    why = llamacpp_available() or (None if gguf else f"target {target.name!r} has no GGUF file")
+    if why:
+        log(f"llama.cpp peer skipped: {why}")
+        return {"skipped": why}
+    lookup = bundle.config.block_size if bundle is not None else 8  # the same draft length as ours
+    rows = []
+    for dom in spec.domains:
+        ids = [p for _, p in prompts[dom][:n]]
+        for k in (0, lookup):
+            row = llamacpp_tps(gguf, ids, spec.max_new_tokens, torch.get_num_threads(), k)
+            row["domain"] = dom
+            row["ours"] = {m: ours[(dom, 1, m)]["tps"] for m in spec.methods if (dom, 1, m) in ours}
+            rows.append(row)
+            log(f"{dom:6s} C=1   {row['peer']:28s} {row['tps']:8.2f} tok/s")
+    return {"rows": rows}
 
 
 def machine() -> dict:

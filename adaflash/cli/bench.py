@@ -43,6 +43,12 @@ def bench(
     gamma: Annotated[float, typer.Option()] = 1.0,
     probe_every: Annotated[int, typer.Option(help="after k̂=1, skip the drafter for N-1 rounds")] = 1,
     hf_baseline: Annotated[bool, typer.Option(help="also time transformers.generate at equal batch")] = True,
+    llamacpp: Annotated[
+        bool, typer.Option(help="also time llama.cpp at batch 1 on the target's GGUF (`make bench-peers`)")
+    ] = True,
+    bounds: Annotated[
+        bool, typer.Option(help="measure the machine's bandwidth/matmul bounds and AR's fraction of them")
+    ] = True,
     serve_rss: Annotated[
         int, typer.Option(help="also measure `serve`'s peak RSS at this concurrency (0: skip)")
     ] = 0,
@@ -62,6 +68,8 @@ def bench(
         gamma=gamma,
         probe_every=probe_every,
         hf_baseline=hf_baseline,
+        llamacpp=llamacpp,
+        bounds=bounds,
         data_dir=data_dir,
     )
     if any(m != "ar" for m in spec.methods) and drafter is None:

