@@ -45,7 +45,22 @@ def test_policy_backs_off_exponentially_up_to_the_cap():
 def test_restarts_gives_up_retries_and_cleans_up(tmp_path: Path):
     spawned: list[int] = []
     grandchild = tmp_path / "grandchild.pid"
+    calls = []
+
+    def flaky_spawn():  # dies once, then cannot start once (its port still held), then runs
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("port 5000 is already in use")
+        p = _proc(
+            "import sys, time; time.sleep(1.5); sys.exit(1)"
+            if len(calls) == 1
+            else "import time; time.sleep(120)"
+        )
+        spawned.append(p.pid)
+        return p
+
     units = [
+        Unit("flaky", flaky_spawn, lambda: True, lambda: None),
         _unit("steady", "import time; time.sleep(120)", spawned),
         # Forks a child in its own process group (as `mlflow server` forks its uvicorn worker).
         _unit(
@@ -67,6 +82,15 @@ def test_restarts_gives_up_retries_and_cleans_up(tmp_path: Path):
         def svc(name):
             return read_state(state_file).get("services", {}).get(name, {})
 
+        # A retry asked for while everything runs (an `up` on a healthy stack) changes nothing
+        # about the deaths that come later: they are still backed off, counted, given up on, and
+        # a restart that fails is retried, not taken for a first start that failed.
+        _wait(lambda: svc("flaky").get("state") == "running")
+        _wait(lambda: svc("steady").get("state") == "running")
+        steady = svc("steady")["pid"]
+        sup.retry()
+        _wait(lambda: svc("flaky").get("restarts") == 2 and svc("flaky").get("state") == "running")
+        assert svc("flaky")["last_exit"] == "restart failed: port 5000 is already in use"
         _wait(lambda: svc("crashy").get("state") == "gave up")
         crashy = svc("crashy")
         assert crashy["restarts"] == 2 and crashy["last_exit"] == "exit 3"
@@ -89,8 +113,8 @@ def test_restarts_gives_up_retries_and_cleans_up(tmp_path: Path):
         n = len(spawned)
         sup.retry()
         _wait(lambda: svc("clean").get("state") in ("running", "exited") and len(spawned) >= n + 2)
-        assert json.loads(state_file.read_text())["generation"] == 1
-        assert svc("steady")["restarts"] == 0 and svc("steady")["pid"] == spawned[0]
+        assert json.loads(state_file.read_text())["generation"] == 2
+        assert svc("steady")["restarts"] == 0 and svc("steady")["pid"] == steady
     finally:
         sup.stop()
         for pid in spawned:

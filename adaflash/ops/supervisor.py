@@ -109,15 +109,23 @@ def _exited(pid: int) -> bool:
     return info is not None
 
 
-def _reap(proc: subprocess.Popen) -> str:
+def _reap(proc: subprocess.Popen, timeout: float = 10.0) -> str:
     """A dead service's leftovers (MLflow's uvicorn worker would keep the port) go with it: each
     service leads its own process group, killed while the zombie still holds the group's id.
-    Then reap it; returns how it exited."""
+    Then reap it and wait for the rest of the group to be gone; returns how it exited."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    return describe_exit(proc.wait())
+    how = describe_exit(proc.wait())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.05)
+    return how
 
 
 class Supervisor:
@@ -185,10 +193,10 @@ class Supervisor:
                 if self._stop.is_set():
                     return
         history: deque[float] = deque()  # monotonic times of this service's recent restarts
-        restarting = False  # the first start's failure is reported, not retried
+        fresh = True  # a first start (or one `up` asked for): its failure is reported, not retried
         adopted = u.adopt()
         while not self._stop.is_set():
-            gen = self.generation
+            gen = self.generation  # a retry asked for from here on is answered by this start
             if adopted is not None:
                 self._set(u, state="running", pid=adopted, note="adopted: started before this supervisor")
                 self._ready[u.name].set()
@@ -196,7 +204,7 @@ class Supervisor:
                 adopted = None
             else:
                 proc, err = self._start(u)
-                if err is not None and not restarting:
+                if err is not None and fresh:
                     if self._stop.is_set():
                         return
                     log.error("%s failed to start: %s", u.name, err)
@@ -206,33 +214,34 @@ class Supervisor:
                 how = f"restart failed: {err}" if err is not None else self._wait_child(proc)
             if self._stop.is_set() or how is None:
                 return  # `adaflash down` is stopping the stack: this exit is its doing
-            restarting = True
+            gen = self.generation  # from here on, a retry is about this exit
+            fresh = False
             self._set(u, pid=None, last_exit=how, last_exit_at=time.time())
-            if how == "exit 0":
-                log.info("%s exited cleanly: not restarted", u.name)
-                self._set(u, state="exited", note="clean exit: not restarted (`adaflash up` starts it)")
-                restarting = self._wait_retry(gen, history)
-                continue
             now = time.monotonic()
             while history and now - history[0] > self.policy.window_s:
                 history.popleft()
-            if len(history) >= self.policy.max_restarts:
-                n = len(history)
-                note = (
-                    f"{n} restart{'s' if n != 1 else ''} within {self.policy.window_s:.0f}s, last exit {how}"
-                )
-                log.error("%s died (%s): giving up after %s", u.name, how, note)
-                self._set(u, state="gave up", note=note)
-                restarting = self._wait_retry(gen, history)
+            if how == "exit 0" or len(history) >= self.policy.max_restarts:
+                if how == "exit 0":
+                    log.info("%s exited cleanly: not restarted", u.name)
+                    self._set(u, state="exited", note="clean exit: not restarted (`adaflash up` starts it)")
+                else:
+                    n, window = len(history), self.policy.window_s
+                    note = f"{n} restart{'s' if n != 1 else ''} within {window:.0f}s; last: {how}"
+                    log.error("%s died (%s): giving up after %s", u.name, how, note)
+                    self._set(u, state="gave up", note=note)
+                self._wait_retry(gen)
+                history.clear()
+                fresh = True
                 continue
             delay = self.policy.delay(len(history))
             log.warning("%s died (%s): restart %d in %.1fs", u.name, how, len(history) + 1, delay)
             self._set(u, state="backoff", next_restart_at=time.time() + delay, note=None)
             if not self._sleep(delay, gen):
                 return
-            if self.generation != gen:  # `up` asked for a retry: a fresh start, fresh history
+            if self.generation != gen:  # `up` asked for a retry meanwhile: its start, a fresh history
                 history.clear()
-                restarting = False
+                fresh = True
+                continue
             history.append(time.monotonic())
             with self._cond:
                 self.states[u.name].restarts += 1
@@ -277,15 +286,11 @@ class Supervisor:
                 return None
         return "exited (adopted: status unknown)"
 
-    def _wait_retry(self, gen: int, history: deque | None = None) -> bool:
-        """Wait for `adaflash up` to ask for a retry (or for the stop); returns False: the next
-        start counts as a first start (its failure is reported, not retried)."""
+    def _wait_retry(self, gen: int) -> None:
+        """Wait for `adaflash up` to ask for a retry (SIGHUP), or for the stop."""
         with self._cond:
             while self.generation == gen and not self._stop.is_set():
                 self._cond.wait(1.0)
-        if history is not None:
-            history.clear()
-        return False
 
     def _sleep(self, seconds: float, gen: int) -> bool:
         """The backoff; a retry request cuts it short. False when the supervisor is stopping."""
