@@ -32,9 +32,7 @@ def serve_into_buffer(target, bundle, gov_dir, n: int, seed: int = 0, max_new: i
         )
         prompts.append(tok.chat_prompt(f"{dom}: {words}"))
         domains.append(dom)
-    results = OfflineDecoder(target, bundle).generate(
-        prompts, DecodeConfig("dflash", max_new_tokens=max_new)
-    )
+    results = OfflineDecoder(target, bundle).generate(prompts, DecodeConfig("dflash", max_new_tokens=max_new))
     clean = []
     for i, (p, r, dom) in enumerate(zip(prompts, results, domains, strict=True)):
         rounds, start = [], 0

@@ -1,23 +1,27 @@
 """The fault suite (issue 14, item 5): the whole loop on `tiny`, brought up with `adaflash up`,
 closed-loop traffic throughout, and real faults injected into real processes one at a time.
 
-After each fault the loop must come back by itself or through `adaflash up` (which starts what is
-not running and leaves the rest alone), and these invariants must hold:
+After each fault the loop must come back by itself — the stack's supervisor restarts a service
+that was killed — or through `adaflash up` (a service that exited cleanly, like a broker given
+SIGTERM, is not restarted by the supervisor; `up` starts what is not running and leaves the rest
+alone), and these invariants must hold:
 
 - every request the server acknowledged (HTTP 200) has its feedback record in the lineage store,
   exactly once: one row per request (each request carries its own tenant id, so a row names the
   request). The embedded Tansu broker keeps topics in memory only, so records it had acknowledged
   but governance had not consumed yet die with it: those are counted as `broker loss`, never as
-  `lost`, and only for a broker fault;
+  `lost`, and only for a broker fault. Likewise the serving process holds the records of requests
+  it has answered until its producer hands them to Kafka (or the spool): a SIGKILLed server loses
+  those, counted as `server loss`, only for the fault that kills it;
 - every governance batch has in = clean + quarantined + duplicate, and the clean buffer holds
   each record id once;
-- no 5xx from the server, and no refused connection except in a documented restart window (none
-  of these faults restarts the server);
+- no 5xx from the server, ever; no refused or reset connection except in the documented restart
+  window of the one fault that kills the server (from the fault until it answers again);
 - the server serves the registry's champion within 10 s of recovery;
 - no planted PII value at rest anywhere under the stack's home.
 
-The table (fault → recovered in N s → records lost / duplicated / broker loss) is printed and,
-with ADAFLASH_FAULT_TABLE=path, written as JSON.
+The table (fault → recovered in N s → records lost / duplicated / broker loss / server loss) is
+printed and, with ADAFLASH_FAULT_TABLE=path, written as JSON.
 """
 
 from __future__ import annotations
@@ -94,6 +98,12 @@ class Loop:
         r = self.cli("status", *self.ports, timeout=60)
         self.last_status = r.stdout + r.stderr
         return r.returncode == 0
+
+    def supervised(self, service: str) -> str:
+        """What the supervisor says of a service: its restarts and last exit (for the table)."""
+        r = self.cli("status", "--json", *self.ports, timeout=60)
+        row = next(x for x in json.loads(r.stdout) if x["service"] == service)
+        return f"{row['restarts']} supervisor restart(s), last exit {row['last_exit']}"
 
     def pid(self, service: str) -> int:
         f = {
@@ -231,6 +241,14 @@ class Traffic:
             return {k for k, v in self.acked.items() if v <= t}
 
 
+def _proc_state(pid: int) -> str:
+    """The process state letter from /proc (T: stopped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 def wait_for(cond, timeout: float, what: str, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while True:
@@ -248,7 +266,7 @@ class Suite:
         self.rows: list[dict] = []
         self.canaries: list[str] = []  # planted on the raw topic directly
         self.champion: str | None = None
-        self.broker_lost: set[str] = set()  # died with the memory-only broker, counted once
+        self.memory_lost: set[str] = set()  # died with the memory-only broker or a killed server
 
     # invariants ------------------------------------------------------------------------------
     def check_batches(self) -> dict:
@@ -282,10 +300,13 @@ class Suite:
         assert not dup, f"the clean buffer holds record ids more than once: {list(dup.items())[:5]}"
         return len(ids)
 
-    def account(self, until: float, at_risk: set[str] = frozenset(), timeout: float = 90) -> dict:
+    def account(
+        self, until: float, at_risk: set[str] = frozenset(), where: str = "broker_loss", timeout: float = 90
+    ) -> dict:
         """Wait until every request acknowledged before `until` is governed; returns the counts.
-        `at_risk`: requests whose records only the memory-only broker held when it died."""
-        want = self.traffic.acked_before(until) - self.broker_lost  # earlier faults counted those
+        `at_risk`: requests whose records only the memory of the process that died held (the
+        memory-only broker: `broker_loss`, the killed server: `server_loss`)."""
+        want = self.traffic.acked_before(until) - self.memory_lost  # earlier faults counted those
 
         def missing():
             got = self.loop.governed_tenants()
@@ -300,16 +321,11 @@ class Suite:
         got = self.loop.governed_tenants()
         gone = {t for t in want if got[t] == 0}
         duplicated = sum(1 for t in want if got[t] > 1)
-        lost, broker_loss = gone - at_risk, gone & at_risk
+        lost, memory_loss = gone - at_risk, gone & at_risk
         assert not lost, f"{len(lost)} acknowledged requests have no governed record: {sorted(lost)[:5]}"
         assert duplicated == 0, f"{duplicated} requests have more than one record after dedupe"
-        self.broker_lost |= broker_loss
-        return {
-            "acked": len(want),
-            "lost": len(lost),
-            "duplicated": duplicated,
-            "broker_loss": len(broker_loss),
-        }
+        self.memory_lost |= memory_loss
+        return {"acked": len(want), "lost": len(lost), "duplicated": duplicated, where: len(memory_loss)}
 
     def no_errors_since(self, t: float) -> None:
         bad = [e for e in self.traffic.errors if e[0] >= t]
@@ -337,6 +353,7 @@ class Suite:
                 "lost": acct.get("lost", 0),
                 "duplicated": acct.get("duplicated", 0),
                 "broker_loss": acct.get("broker_loss", 0),
+                "server_loss": acct.get("server_loss", 0),
                 "note": note,
             }
         )
@@ -364,12 +381,14 @@ class Suite:
         # Records governance had not consumed when the broker died may be lost with its memory.
         at_risk = {t for t in self.traffic.acked_before(t_fault + 1.0) if before[t] == 0}
         wait_for(lambda: not alive(pid), 15, "the broker to exit")
-        time.sleep(3)  # traffic keeps coming while the broker is down: the server spools it
-        self.loop.up()  # starts the broker again (empty), leaves the rest alone
-        recovered = self.recovered(name)
+        if sig == signal.SIGTERM:  # a clean exit (0): the supervisor leaves it down
+            time.sleep(3)  # traffic keeps coming while the broker is down: the server spools it
+            self.loop.up()  # starts the broker again (empty), leaves the rest alone
+        recovered = self.recovered(name)  # kill -9: the supervisor restarts it
+        how = "restarted by `adaflash up`" if sig == signal.SIGTERM else self.loop.supervised("broker")
         self.serves_champion()
         acct = self.account(time.monotonic(), at_risk)
-        self.row(name, t_fault, recovered, acct, f"{len(at_risk)} records at risk in broker memory")
+        self.row(name, t_fault, recovered, acct, f"{len(at_risk)} records at risk in broker memory; {how}")
         self.no_errors_since(t_fault)
 
     def governance_kill(self) -> None:
@@ -405,8 +424,7 @@ class Suite:
         os.kill(pid, signal.SIGKILL)
         assert done_at_kill < len(planted), "governance had finished before the kill: not mid-batch"
         wait_for(lambda: not alive(pid), 15, "governance to exit")
-        self.loop.up()
-        recovered = self.recovered("governance SIGKILL")
+        recovered = self.recovered("governance SIGKILL")  # restarted by the supervisor
         wait_for(lambda: planted <= set(self.loop.governed_tenants()), 120, "every planted record governed")
         got = self.loop.governed_tenants()
         assert all(got[t] == 1 for t in planted), "a planted record was governed twice"
@@ -417,7 +435,8 @@ class Suite:
             t_fault,
             recovered,
             acct,
-            f"{done_at_kill}/{len(planted)} planted governed at the kill",
+            f"{done_at_kill}/{len(planted)} planted governed at the kill; "
+            + self.loop.supervised("governance"),
         )
         self.no_errors_since(t_fault)
 
@@ -577,8 +596,7 @@ class Suite:
         os.killpg(pid, signal.SIGKILL)
         th.join(120)
         wait_for(lambda: not alive(pid), 15, "MLflow to exit")
-        self.loop.up()
-        recovered = self.recovered("MLflow SIGKILL during a promotion")
+        recovered = self.recovered("MLflow SIGKILL during a promotion")  # restarted by the supervisor
         with self.loop.registry() as reg:
             if reg.champion() != v2:
                 reg.promote(v2, who="fault-suite", reason="retry after the MLflow restart")
@@ -591,9 +609,50 @@ class Suite:
             t_fault,
             recovered,
             acct,
-            f"in-flight promote {first[:60]}; champion v{v2} served {took:.1f}s after",
+            f"in-flight promote {first[:60]}; champion v{v2} served {took:.1f}s after; "
+            + self.loop.supervised("registry"),
         )
         self.no_errors_since(t_fault)
+
+    def fleet_controller_kill(self) -> None:
+        """On the embedded stack the serving process is its own fleet controller: its champion
+        follower makes each new champion live. Freeze it (SIGSTOP) so that the follower cannot
+        act, move the champion alias (a rollback: alias move + event), and kill -9 it: it dies
+        between the alias move and the reload, the event consumed by no one. The supervisor
+        restarts it and at start-up it loads the registry's champion, before it answers.
+        Restart window: from the freeze until a request succeeds again."""
+        with self.loop.registry() as reg:
+            before = reg.champion()
+        time.sleep(2)  # traffic flowing
+        pid = self.loop.pid("serve")
+        t_fault = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: _proc_state(pid) in ("T", "t"), 5, "the server to freeze", 0.05)
+        with self.loop.registry() as reg:
+            event = reg.rollback(who="fault-suite", reason="alias move with the fleet controller frozen")
+        assert event.version != before
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        # Records of requests it answered that governance has not seen may have died with it.
+        governed = self.loop.governed_tenants()
+        at_risk = {t for t in self.traffic.acked_before(t_kill) if governed[t] == 0}
+        wait_for(lambda: not alive(pid), 15, "the server to exit")
+        recovered = self.recovered("the fleet controller kill")
+        took = self.serves_champion()  # the registry's champion: the version the alias moved to
+        assert self.champion == event.version
+        window = [e for e in self.traffic.errors if t_fault <= e[0] <= recovered]
+        assert all(status == 0 for _, status, _ in window), f"5xx in the restart window: {window[:5]}"
+        acct = self.account(time.monotonic(), at_risk, where="server_loss")
+        self.row(
+            "fleet controller (serve) kill -9 between alias move and reload",
+            t_fault,
+            recovered,
+            acct,
+            f"v{before} → v{event.version} moved while frozen; v{event.version} served {took:.1f}s after "
+            f"recovery; restart window {recovered - t_fault:.1f}s: {len(window)} refused/reset, 0 5xx; "
+            f"{len(at_risk)} records at risk in server memory; {self.loop.supervised('serve')}",
+        )
+        self.no_errors_since(recovered)
 
     def privacy(self) -> int:
         values = set(self.canaries) | set(self.traffic.canaries)
@@ -608,13 +667,13 @@ class Suite:
 
     def table(self) -> str:
         lines = [
-            "| fault | recovered in | acked so far | lost | duplicated | broker loss | note |",
-            "|---|---:|---:|---:|---:|---:|---|",
+            "| fault | recovered in | acked so far | lost | duplicated | broker loss | server loss | note |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in self.rows:
             lines.append(
                 f"| {r['fault']} | {r['recovered_s']:.1f} s | {r['acked']} | {r['lost']} | "
-                f"{r['duplicated']} | {r['broker_loss']} | {r['note']} |"
+                f"{r['duplicated']} | {r['broker_loss']} | {r['server_loss']} | {r['note']} |"
             )
         return "\n".join(lines)
 
@@ -657,6 +716,7 @@ def test_fault_suite(tmp_path, drafters):
         suite.overload()
         suite.corrupt_challenger(tmp_path)
         suite.mlflow_restart_during_promotion(drafters / "challenger")
+        suite.fleet_controller_kill()
         traffic.stop()
         totals = suite.check_batches()
         clean_ids = suite.check_buffer_unique()

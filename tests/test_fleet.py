@@ -92,16 +92,33 @@ def test_promotion_and_rollback_reach_engine_and_sglang(tmp_path, tiny32, mlflow
             while engine.drafter_version != v1:  # staged drafters go live at the next step
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+            # The controller dies between an alias move and its reload: nobody consumes the
+            # event. Restarted, it reads events from the end (that one is gone) and its first
+            # reconcile with the registry's champion applies it.
+            follower.stop()
+            first = follower
+            reg.promote(v2, who="ops", reason="while the fleet controller was down")
+            controller = FleetController(cfg, tiny32.fingerprint)
+            follower = ChampionFollower(
+                None, broker.bootstrap_servers, mlflow_server.tracking_uri, tiny32.fingerprint,
+                apply=controller.apply,
+            )  # fmt: skip
+            follower.reconcile_s = 0.5
+            follower.start()
+            deadline = time.monotonic() + 20
+            while engine.drafter_version != v2:
+                assert time.monotonic() < deadline, (follower.status, controller.applied)
+                time.sleep(0.05)
         finally:
             follower.stop()
             reg.close()
             kube.shutdown()
-    assert follower.status.applied == [v1, v2, v1] and not follower.status.failed
-    assert engine.reloads == 3
+    assert first.status.applied == [v1, v2, v1] and not first.status.failed
+    assert follower.status.applied == [v2] and engine.reloads == 4
     patches = KubeApi.calls
     assert [
         c[3]["spec"]["template"]["metadata"]["annotations"]["adaflash.io/drafter-version"] for c in patches
-    ] == [v1, v2, v1]
+    ] == [v1, v2, v1, v2]
     path, ctype, auth, _ = patches[0]
     assert path == "/apis/apps/v1/namespaces/adaflash/deployments/sglang"
     assert ctype == "application/strategic-merge-patch+json" and auth == "Bearer sa-token"

@@ -68,7 +68,8 @@ COMMON = {
     "stream": _maybe(st.booleans()),
     "method": _maybe(st.sampled_from(["ar", "dflash", "adaflash", "adaflash-cost", "ngram", "eagle"])),
     "user": _maybe(text),
-    "logprobs": _maybe(st.sampled_from([None, False, 0, 0, True, 2])),
+    "logprobs": _maybe(st.sampled_from([None, False, True, True, 0, 2, 5, 20, 21, -1])),
+    "top_logprobs": _maybe(st.sampled_from([None, 0, 1, 3, 20, 21, -1])),
     "presence_penalty": _maybe(st.sampled_from([0, 0.0, 0.0, 0.5])),
 }
 completion_body = st.fixed_dictionaries(
@@ -127,7 +128,30 @@ def _check(engine, client: httpx.Client, path: str, body: dict) -> None:
         assert ("error" in payload) == (r.status_code >= 400), payload
         if r.status_code >= 400:
             assert isinstance(payload["error"]["message"], str) and "detail" not in payload
+        elif r.status_code == 200:
+            for choice in payload["choices"]:
+                _check_logprobs(choice, body, path.endswith("chat/completions"))
     assert engine.failure is None
+
+
+def _check_logprobs(choice: dict, body: dict, chat: bool) -> None:
+    """What was asked for is there, one entry per token id, each a log-probability."""
+    lp, n = choice["logprobs"], len(choice["token_ids"])
+    if lp is None:
+        asked = body.get("logprobs")
+        assert not (asked if chat else asked is True or type(asked) is int), body
+        return
+    if chat:
+        top = body.get("top_logprobs") or 0
+        assert len(lp["content"]) == n
+        for e in lp["content"]:
+            assert e["logprob"] <= 1e-9 and len(e["top_logprobs"]) == top
+            tops = [a["logprob"] for a in e["top_logprobs"]]
+            assert tops == sorted(tops, reverse=True)
+    else:
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == n
+        assert all(v <= 1e-9 for v in lp["token_logprobs"])
+        assert all(len(alts) <= int(body["logprobs"]) + 1 for alts in lp["top_logprobs"])
 
 
 @FUZZ

@@ -44,9 +44,7 @@ def _served_records(target, bundle, n=6, max_new=40, method="dflash") -> list[Cl
     """Serve prompts with the speculative decoder and turn the results into clean feedback."""
     tok = target.tokenizer
     prompts = [tok.chat_prompt(f"count to {i} and explain why numbers matter") for i in range(n)]
-    results = OfflineDecoder(target, bundle).generate(
-        prompts, DecodeConfig(method, max_new_tokens=max_new)
-    )
+    results = OfflineDecoder(target, bundle).generate(prompts, DecodeConfig(method, max_new_tokens=max_new))
     out = []
     for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
         rounds, start = [], 0
@@ -136,9 +134,7 @@ def test_online_trainer_improves_acceptance_resumes_and_saves_a_loadable_drafter
     loaded = load_drafter_for(out, tiny32)
     assert loaded.meta.lineage["loss"] == "opd" and len(loaded.meta.lineage["record_ids"]) == 6
     # the trained drafter still decodes losslessly
-    ar = OfflineDecoder(tiny32, None).generate(
-        [records[0].record.prompt_token_ids], DecodeConfig("ar", 24)
-    )
+    ar = OfflineDecoder(tiny32, None).generate([records[0].record.prompt_token_ids], DecodeConfig("ar", 24))
     sd = OfflineDecoder(tiny32, loaded).generate(
         [records[0].record.prompt_token_ids], DecodeConfig("adaflash", 24)
     )

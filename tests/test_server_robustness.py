@@ -1,7 +1,8 @@
 """One bad request must never take the server down (issue 14): every probe that used to give a
 500, a hang or a silently wrong answer now gets an OpenAI-shaped 4xx, the step loop survives
-per-request failures, and the sampling parameters clients send routinely (stop, top_p, top_k, n)
-work — with speculative sampling still lossless against the filtered target distribution."""
+per-request failures, and the sampling parameters clients send routinely (stop, top_p, top_k, n,
+logprobs) work — with speculative sampling still lossless against the filtered target
+distribution, and logprobs that speculation reports exactly as plain decoding does."""
 
 from __future__ import annotations
 
@@ -87,7 +88,30 @@ POISON = [
     ("n 1000", C, {"prompt": "hi", "n": 1000}, 400, "n must be"),
     ("5 stops", C, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("empty stop", C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("logprobs", C, {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("echo", C, {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("logprobs 21", C, {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be"),
+    ("logprobs -1", C, {"prompt": "hi", "logprobs": -1}, 400, "logprobs must be"),
+    (
+        "top_logprobs 21",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs must be",
+    ),
+    (
+        "top_logprobs without logprobs",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "needs logprobs",
+    ),
+    (
+        "chat logprobs not a bool",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": 7},
+        400,
+        "logprobs",
+    ),
     (
         "penalty",
         CH,
@@ -203,6 +227,120 @@ def test_n_choices_seeds_top_k_and_top_p(tiny64, server):
         assert done == {0, 1} and all(len(v) == 10 for v in seen.values())
 
 
+# --- logprobs ------------------------------------------------------------------------------------
+
+
+def _reference_logprobs(target, prompt_ids: list[int], output_ids: list[int]) -> list[list[float]]:
+    """log_softmax of the target's logits at each output position, from one plain forward over
+    prompt + output (no engine, no speculation): what every method must report."""
+    model = target.model
+    ids = torch.tensor([prompt_ids + output_ids])
+    out = model.forward(ids, model.new_cache(1, ids.shape[1] + 1))
+    logits = model.lm_head(out.hidden[0])
+    rows = torch.log_softmax(logits.double(), -1)[len(prompt_ids) - 1 : -1]
+    return rows.tolist()
+
+
+def _spelling(raw: bytes) -> str:
+    """OpenAI's text of a token: its UTF-8, or `bytes:\\xNN...` for a piece of a character."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _logprob_body(prompt: list[int], method: str, **kw) -> dict:
+    return {"prompt": prompt, "max_tokens": 24, "temperature": 0, "method": method, **kw}
+
+
+def test_logprobs_are_the_targets_and_speculation_reports_exactly_what_ar_does(tiny64, server):
+    engine, srv = server
+    # Prompts the `trained` drafter was fitted on (quick_train's, seed 4): its drafts are accepted.
+    g = torch.Generator().manual_seed(4)
+    prompts = [[256, *torch.randint(0, 256, (6,), generator=g).tolist()] for _ in range(3)]
+    taus = []
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for prompt in prompts:
+            got = {}
+            for method in ("ar", "dflash", "adaflash", "ngram"):
+                r = _post(c, C, _logprob_body(prompt, method, logprobs=5)).json()
+                got[method] = r["choices"][0]
+                if method != "ar":
+                    taus.append(r["adaflash"]["tau"])
+            ar = got["ar"]
+            ids = ar["token_ids"]
+            lp = ar["logprobs"]
+            n = len(ids)
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+            assert len(lp["text_offset"]) == n and lp["text_offset"][0] == 0
+            assert lp["text_offset"] == sorted(lp["text_offset"])
+            ref = _reference_logprobs(tiny64, prompt, ids)
+            for j, t in enumerate(ids):
+                assert lp["token_logprobs"][j] == pytest.approx(ref[j][t], abs=1e-9)
+                # greedy: the chosen token is the most likely one, listed with 4 others at most
+                assert lp["token_logprobs"][j] == pytest.approx(max(ref[j]), abs=1e-9)
+                assert 5 <= len(lp["top_logprobs"][j]) <= 6 and lp["tokens"][j] in lp["top_logprobs"][j]
+            for method in ("dflash", "adaflash", "ngram"):
+                spec = got[method]
+                assert spec["token_ids"] == ids, method  # lossless, and so are the logprobs:
+                for key in ("tokens", "text_offset"):
+                    assert spec["logprobs"][key] == lp[key], (method, key)
+                assert spec["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-9)
+                for a, b in zip(spec["logprobs"]["top_logprobs"], lp["top_logprobs"], strict=True):
+                    assert a.keys() == b.keys() and list(a.values()) == pytest.approx(
+                        list(b.values()), abs=1e-9
+                    )
+    assert max(taus) > 1.5, taus  # drafts were accepted: the speculative rows were really used
+
+
+def test_chat_logprobs_shapes_streaming_and_n(tiny64, server):
+    _, srv = server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": PROMPT}]
+    kw = dict(model="adaflash", messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**kw)  # parsed by the official client's models
+    ch = r.choices[0]
+    content = ch.logprobs.content
+    ids = ch.model_extra["token_ids"]
+    assert len(content) == len(ids) and ch.logprobs.refusal is None
+    for e in content:
+        assert len(e.top_logprobs) == 3 and len({t.token for t in e.top_logprobs}) == 3
+        assert e.token == _spelling(bytes(e.bytes)) or (not e.bytes and e.token.startswith("<|"))
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True
+        )
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-9)  # greedy: the top one
+    eos = set(tiny64.tokenizer.eos_token_ids)
+    text = b"".join(bytes(e.bytes) for e, t in zip(content, ids, strict=True) if t not in eos)
+    assert text.decode("utf-8", "replace") == ch.message.content
+    # Streaming: the chunks' entries, put together, are the non-streamed ones.
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        c0 = chunk.choices[0]
+        if c0.logprobs is not None:
+            streamed += c0.logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-9)
+    # Without logprobs the field is there and null, as in OpenAI's responses.
+    plain = client.chat.completions.create(model="adaflash", messages=msgs, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    # n = 3 sampled choices (seeded): each has its own logprobs, the target's raw ones at any
+    # temperature, so each can be checked against a plain forward over its own tokens.
+    body = {"messages": msgs, "max_tokens": 12, "temperature": 1.3, "n": 3, "seed": 11, "logprobs": True}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        out = _post(c, CH, body).json()
+        again = _post(c, CH, body).json()
+    prompt_ids = [tiny64.tokenizer.BOS, *tiny64.tokenizer.encode(f"user: {PROMPT}\nassistant: ")]
+    assert len({tuple(x["token_ids"]) for x in out["choices"]}) > 1
+    for x, y in zip(out["choices"], again["choices"], strict=True):
+        assert x["token_ids"] == y["token_ids"]  # reproducible (the logprobs up to float rounding:
+        # the two requests' rows may share a packed forward with different neighbours)
+        ref = _reference_logprobs(tiny64, prompt_ids, x["token_ids"])
+        got = [e["logprob"] for e in x["logprobs"]["content"]]
+        assert got == pytest.approx([ref[j][t] for j, t in enumerate(x["token_ids"])], abs=1e-9)
+        assert all(e["top_logprobs"] == [] for e in x["logprobs"]["content"])  # top_logprobs 0
+
+
 # --- per-request isolation in the engine --------------------------------------------------------
 
 
@@ -314,6 +452,47 @@ def test_loop_that_keeps_failing_gives_up_visibly(tiny64, monkeypatch):
                 time.sleep(0.05)
             assert not engine._thread.is_alive() and engine.failure is not None
             assert c.get("/health").status_code == 503
+
+
+DYING_SERVER = """
+import sys, time, torch
+from adaflash.models.targets import tiny_target
+from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+from adaflash.serving.launch import exit_when_engine_dies
+
+engine = Engine(tiny_target(torch.float32), None, EngineConfig(method="ar"))
+def dead(*a, **kw):
+    raise RuntimeError("the accelerator fell off")
+engine.runner.forward = dead
+engine.start()
+exit_when_engine_dies(engine, lambda line: print(line, file=sys.stderr, flush=True))
+for _ in range(4):
+    try:
+        engine.submit(Request([1, 2, 3], GenParams(max_tokens=4, temperature=0)))
+    except Exception:  # EngineFailed once the loop is gone: the watchdog exits meanwhile
+        pass
+    time.sleep(0.2)
+time.sleep(30)
+print("still running", flush=True)
+"""
+
+
+def test_a_server_whose_step_loop_died_exits_non_zero_for_its_supervisor():
+    """`adaflash serve`'s watchdog: a loop that gave up ends the process with 70, so that the
+    stack's supervisor (or systemd, or Kubernetes) restarts it rather than leave it answering 503."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", DYING_SERVER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 70, (r.returncode, r.stderr[-2000:])
+    assert "the engine's step loop stopped" in r.stderr and "still running" not in r.stdout
 
 
 # --- top-k / top-p stay lossless ----------------------------------------------------------------

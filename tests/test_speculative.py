@@ -101,9 +101,7 @@ def test_eos_and_max_new_tokens(tiny64):
         "tiny", tiny64.model, SimpleNamespace(eos_token_ids=(stop,)), tiny64.fingerprint, tiny64.mask_token_id
     )
     for method in ("ar", "dflash", "adaflash"):
-        r = OfflineDecoder(eos_target, make_bundle(tiny64)).generate(
-            PROMPTS[:1], DecodeConfig(method, 25)
-        )[0]
+        r = OfflineDecoder(eos_target, make_bundle(tiny64)).generate(PROMPTS[:1], DecodeConfig(method, 25))[0]
         first = ar.token_ids.index(stop)
         assert r.token_ids == ar.token_ids[: first + 1] and r.finish_reason == "stop"
         r = dec.generate(PROMPTS[:1], DecodeConfig(method, 7))[0]

@@ -3,6 +3,8 @@ loop run once end to end."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +12,7 @@ import typer
 from rich.table import Table
 
 from adaflash.cli._common import (
+    JsonOpt,
     TargetOpt,
     adaflash_home,
     console,
@@ -28,8 +31,9 @@ ServePortOpt = Annotated[int, typer.Option(help="OpenAI API port")]
 
 
 def _stack(target: str, drafter: Path | None, broker_port: int, registry_port: int, port: int, watch: bool,
-           min_records: int):  # fmt: skip
+           min_records: int, max_restarts: int = 5, restart_window: float = 300.0):  # fmt: skip
     from adaflash.ops.stack import Stack, StackConfig
+    from adaflash.ops.supervisor import RestartPolicy
 
     return Stack(
         StackConfig(
@@ -41,18 +45,34 @@ def _stack(target: str, drafter: Path | None, broker_port: int, registry_port: i
             serve_port=port,
             watch=watch,
             min_records=min_records,
+            policy=RestartPolicy(max_restarts=max_restarts, window_s=restart_window),
         )  # fmt: skip
     )
 
 
+def _supervision(r: dict) -> tuple[str, str, str]:
+    """(restarts, last exit, next) of one status row, as `status` prints them."""
+    if r["service"] == "supervisor":
+        return "", "", ""
+    nxt = "-"
+    if r.get("state") == "gave up":
+        nxt = f"[red]gave up[/]: {r.get('note')}"
+    elif r.get("state") == "exited":
+        nxt = "not restarted (clean exit)"
+    elif r.get("next_restart_at"):
+        nxt = f"restart in {max(0.0, r['next_restart_at'] - time.time()):.0f}s"
+    elif r.get("state") in ("starting", "waiting") and not r["running"]:
+        nxt = str(r["state"])
+    return str(r.get("restarts") or 0), r.get("last_exit") or "-", nxt
+
+
 def _print_stack(rows: list[dict]) -> None:
     t = Table(title=f"AdaFlash stack — {adaflash_home()}")
-    for col in ("service", "running", "pid", "where"):
+    for col in ("service", "running", "pid", "where", "restarts", "last exit", "next"):
         t.add_column(col)
     for r in rows:
-        t.add_row(
-            r["service"], "[green]up[/]" if r["running"] else "[red]down[/]", str(r["pid"] or "-"), r["where"]
-        )
+        up_down = "[green]up[/]" if r["running"] else "[red]down[/]"
+        t.add_row(r["service"], up_down, str(r["pid"] or "-"), r["where"], *_supervision(r))
     console.print(t)
 
 
@@ -103,11 +123,20 @@ def up(
     port: ServePortOpt = 8000,
     watch: Annotated[bool, typer.Option(help="start the pipeline watcher")] = True,
     min_records: Annotated[int, typer.Option(help="new clean records that trigger a pipeline run")] = 128,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, help="restarts of one service within --restart-window before giving up")
+    ] = 5,
+    restart_window: Annotated[float, typer.Option(min=1.0, help="seconds over which restarts count")] = 300.0,
 ) -> None:
-    """Start the embedded stack: broker, MLflow, serving engine, governance, pipeline watcher."""
+    """Start the embedded stack: broker, MLflow, serving engine, governance, pipeline watcher, and
+    the supervisor that restarts a service that dies (backoff 1 s doubling to 30 s).
+
+    Run again on a running stack, it starts whatever is not running (a service the supervisor
+    gave up on, or one that exited cleanly) and leaves the rest alone."""
     if drafter is not None and not (drafter / "config.json").exists():
         raise InputError(f"no drafter at {drafter}: run `make bootstrap` or pass --drafter DIR")
-    stack = _stack(target, drafter, broker_port, registry_port, port, watch, min_records)
+    stack = _stack(target, drafter, broker_port, registry_port, port, watch, min_records, max_restarts,
+                   restart_window)  # fmt: skip
     with err_console.status("starting") as st:
         stack.up(progress=lambda name: st.update(f"starting {name}..."))
     _print_stack(stack.status())
@@ -131,16 +160,38 @@ stack_ports = shared_options(
 @app.command()
 @stack_ports
 def down(stack) -> None:
-    """Stop everything `adaflash up` started."""
+    """Stop everything `adaflash up` started: the supervisor first, so nothing restarts."""
     stopped = stack.down()
     console.print("stopped: " + (", ".join(stopped) or "nothing was running"))
 
 
 @app.command()
 @stack_ports
-def status(stack) -> None:
-    """One view of the embedded stack's services."""
+def status(stack, as_json: JsonOpt = False) -> None:
+    """One view of the embedded stack's services: up or down, restarts, last exit, next restart.
+    Exits 1 unless every service (and the supervisor) runs."""
     rows = stack.status()
-    _print_stack(rows)
+    if as_json:
+        console.print_json(json.dumps(rows))
+    else:
+        _print_stack(rows)
     if not all(r["running"] for r in rows):
         raise typer.Exit(1)
+
+
+@app.command(hidden=True)
+def supervise() -> None:
+    """The stack's supervisor, in the foreground: what `adaflash up` starts in the background
+    (reads $ADAFLASH_HOME/stack-layout.json)."""
+    import logging
+
+    from adaflash.ops.stack import Stack, StackConfig
+
+    layout = adaflash_home() / "stack-layout.json"
+    try:
+        cfg = StackConfig.from_json(json.loads(layout.read_text())["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"no stack layout at {layout} ({e}): start the stack with `adaflash up`") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # the broker's topic check, each restart
+    Stack(cfg).supervise()

@@ -108,11 +108,9 @@ class Broker:
             "log": str(self.log_file),
         }
 
-    def start(self, timeout: float = 20.0, create_topics: bool = True) -> dict:
-        if self._pid() is not None:
-            if create_topics:
-                ensure_topics(self.bootstrap_servers, security=PLAINTEXT)
-            return self.status()
+    def spawn(self) -> subprocess.Popen:
+        """Start the Tansu process and record its pid; returns at once (`ready` says when it
+        listens). The stack's supervisor waits on the returned process for its exit status."""
         if port_open(self.host, self.port):
             raise BrokerError(f"port {self.port} is already in use by another process")
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -126,8 +124,19 @@ class Broker:
                 start_new_session=True,  # survives the CLI that started it; stop() ends it
             )
         self._pid_file.write_text(json.dumps({"pid": proc.pid, "port": self.port, "host": self.host}))
+        return proc
+
+    def ready(self) -> bool:
+        return port_open(self.host, self.port)
+
+    def start(self, timeout: float = 20.0, create_topics: bool = True) -> dict:
+        if self._pid() is not None:
+            if create_topics:
+                ensure_topics(self.bootstrap_servers, security=PLAINTEXT)
+            return self.status()
+        proc = self.spawn()
         deadline = time.monotonic() + timeout
-        while not port_open(self.host, self.port):
+        while not self.ready():
             if proc.poll() is not None:
                 self._pid_file.unlink(missing_ok=True)
                 raise BrokerError(f"broker exited with {proc.returncode}; see {self.log_file}")

@@ -5,26 +5,35 @@
   serve       our engine: OpenAI API, feedback → Kafka, follows the champion
   governance  raw feedback → clean buffer + quarantine + audit
   watcher     runs the training pipeline when enough new clean records exist
+  supervisor  starts the five above in dependency order and restarts one that dies (`supervisor.py`)
 
-Each long-running service is a detached process with a pid file and a log under
-`$ADAFLASH_HOME/stack/`, so `down` and `status` work from any shell. Services start in
-dependency order and `up` returns only when each answers its health check.
+`up` writes what it is asked to run to `$ADAFLASH_HOME/stack-layout.json` and starts the
+supervisor, a detached process that starts each service (a pid file and a log under
+`$ADAFLASH_HOME/stack/`, the broker's and MLflow's under their own directories) and restarts one
+that dies, with backoff. `up` returns once every service passes its health check. `down` stops the
+supervisor first, then the services in reverse order, so nothing restarts what it stopped;
+`status` shows each service with its restarts, last exit and next restart. All three work from any
+shell: the pid files are the truth.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from adaflash.errors import AdaFlashError
-from adaflash.feedback.broker import Broker
+from adaflash.feedback.broker import PLAINTEXT, Broker, ensure_topics
 from adaflash.feedback.security import plaintext_env
-from adaflash.procs import pid_from_file, terminate
+from adaflash.ops.supervisor import RestartPolicy, Supervisor, Unit, read_state
+from adaflash.procs import alive, pid_from_file, terminate
 from adaflash.registry.server import RegistryServer
 
 
@@ -43,6 +52,22 @@ class StackConfig:
     min_records: int = 128
     watch: bool = True
     serve_args: list[str] = field(default_factory=list)
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "home": str(self.home),
+            "drafter": str(self.drafter) if self.drafter else None,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> StackConfig:
+        d = dict(d)
+        d["home"] = Path(d["home"])
+        d["drafter"] = Path(d["drafter"]) if d.get("drafter") else None
+        d["policy"] = RestartPolicy(**d.get("policy", {}))
+        return cls(**d)
 
     @property
     def bootstrap_servers(self) -> str:
@@ -73,9 +98,8 @@ class Service:
     def pid(self) -> int | None:
         return pid_from_file(self.pid_file)
 
-    def healthy(self) -> bool:
-        if self.pid() is None:
-            return False
+    def ready(self) -> bool:
+        """The health check alone, without the pid file (the supervisor knows its child)."""
         if self.health_url is None:
             return True
         try:
@@ -84,26 +108,22 @@ class Service:
         except OSError:
             return False
 
-    def start(self, timeout: float) -> None:
-        if self.pid() is None:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.log_file, "ab") as log:
-                proc = subprocess.Popen(
-                    self.argv,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    env=plaintext_env(),  # every service here talks to the embedded broker
-                )
-            self.pid_file.write_text(json.dumps({"pid": proc.pid, "argv": self.argv}))
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if self.pid() is None:
-                raise StackError(f"{self.name} exited during start-up; see {self.log_file}")
-            if time.monotonic() > deadline:
-                raise StackError(f"{self.name} did not become healthy in {timeout:.0f}s; see {self.log_file}")
-            time.sleep(0.3)
+    def healthy(self) -> bool:
+        return self.pid() is not None and self.ready()
+
+    def spawn(self) -> subprocess.Popen:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:
+            proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own group: stop() ends it and whatever it forked
+                env=plaintext_env(),  # every service here talks to the embedded broker
+            )
+        self.pid_file.write_text(json.dumps({"pid": proc.pid, "argv": self.argv}))
+        return proc
 
     def stop(self, timeout: float = 15.0) -> bool:
         pid = self.pid()
@@ -156,22 +176,95 @@ class Stack:
 
     @property
     def _layout(self) -> Path:
-        """What `up` started (`down` and `status` only know the ports they are given)."""
+        """What `up` started: the supervisor reads its config here, `status` whether the watcher
+        is part of the stack (`down` and `status` only know the ports they are given)."""
         return self.cfg.home / "stack-layout.json"  # beside, not among, the pid files
 
+    @property
+    def supervisor_file(self) -> Path:
+        """The supervisor's pid file, with each service's state (`supervisor.py`)."""
+        return self.cfg.home / "stack" / "supervisor.json"
+
+    def units(self) -> list[Unit]:
+        """The services in dependency order, as the supervisor starts them."""
+        b, r = self.broker, self.registry
+        topics = partial(ensure_topics, b.bootstrap_servers, security=PLAINTEXT)
+        units = [
+            Unit("broker", b.spawn, b.ready, b._pid, topics),
+            Unit("registry", r.spawn, r.ready, r._pid),
+        ]
+        return units + [Unit(s.name, s.spawn, s.ready, s.pid) for s in self.services]
+
+    def supervise(self) -> None:
+        """Run the supervisor in this process until SIGTERM (what `up` starts in the background)."""
+        Supervisor(self.units(), self.cfg.policy, self.supervisor_file).run()
+
+    def _supervisor_pid(self) -> int | None:
+        return pid_from_file(self.supervisor_file)
+
+    def _start_supervisor(self) -> int:
+        d = self.supervisor_file.parent
+        d.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "ADAFLASH_HOME": str(self.cfg.home)}
+        with open(d / "supervisor.log", "ab") as log:
+            proc = subprocess.Popen(
+                _adaflash("supervise"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # outlives this CLI; `down` stops it
+            )
+        self.supervisor_file.write_text(json.dumps({"pid": proc.pid}))  # it rewrites this with state
+        return proc.pid
+
     def up(self, timeout: float = 180.0, progress=lambda name: None) -> None:
-        self._layout.parent.mkdir(parents=True, exist_ok=True)
-        self._layout.write_text(json.dumps({"watch": self.cfg.watch}))
-        progress("broker")
-        self.broker.start()
-        progress("registry")
-        self.registry.start()
-        for s in self.services:
-            progress(s.name)
-            s.start(timeout)
+        """Start the supervisor (or ask the running one to retry what is not running) and wait
+        until every service is up; a service that fails to start raises with its log."""
+        pid = self._supervisor_pid()
+        gen = 0
+        if pid is None:
+            self._layout.parent.mkdir(parents=True, exist_ok=True)
+            self._layout.write_text(json.dumps({"watch": self.cfg.watch, "config": self.cfg.to_json()}))
+            pid = self._start_supervisor()
+        else:
+            gen = read_state(self.supervisor_file).get("generation", 0) + 1
+            os.kill(pid, signal.SIGHUP)  # retry anything that gave up or exited
+        deadline = time.monotonic() + timeout
+        for name in [u.name for u in self.units()]:
+            progress(name)
+            while True:
+                if not alive(pid):
+                    raise StackError(
+                        f"the stack's supervisor exited; see {self.supervisor_file.parent}/supervisor.log"
+                    )
+                st = read_state(self.supervisor_file)
+                svc = st.get("services", {}).get(name, {})
+                if st.get("generation", 0) >= gen:  # the state answers this `up`'s retry
+                    if svc.get("state") == "running":
+                        break
+                    if svc.get("state") == "gave up":
+                        raise StackError(f"{name}: {svc.get('note')}; see {self._log_of(name)}")
+                if time.monotonic() > deadline:
+                    raise StackError(
+                        f"{name} did not become healthy in {timeout:.0f}s; see {self._log_of(name)}"
+                    )
+                time.sleep(0.2)
+
+    def _log_of(self, name: str) -> Path:
+        logs = {"broker": self.broker.log_file, "registry": self.registry.log_file}
+        logs.update({s.name: s.log_file for s in self.services})
+        return logs[name]
 
     def down(self) -> list[str]:
-        stopped = [s.name for s in reversed(self.services) if s.stop()]
+        """The supervisor first (it exits without starting anything), then the services."""
+        stopped = []
+        pid = self._supervisor_pid()
+        if pid is not None:
+            terminate(pid, 30.0)  # it waits for a start in progress to record its pid
+            stopped.append("supervisor")
+        self.supervisor_file.unlink(missing_ok=True)
+        stopped += [s.name for s in reversed(self.services) if s.stop()]
         if self.registry.stop():
             stopped.append("registry")
         if self.broker.stop():
@@ -179,6 +272,7 @@ class Stack:
         return stopped
 
     def status(self) -> list[dict]:
+        """One row per service: running, pid, where, and what the supervisor knows of it."""
         b, r = self.broker.status(), self.registry.status()
         rows = [
             {"service": "broker", "running": b["running"], "pid": b["pid"], "where": b["bootstrap_servers"]},
@@ -192,4 +286,15 @@ class Stack:
                 continue  # `up --no-watch`: not part of this stack, so never "down"
             where = s.health_url.rsplit("/", 1)[0] if s.health_url else str(s.log_file)
             rows.append({"service": s.name, "running": s.healthy(), "pid": s.pid(), "where": where})
+        sup_pid = self._supervisor_pid()
+        state = read_state(self.supervisor_file) if sup_pid is not None else {}
+        for row in rows:
+            svc = state.get("services", {}).get(row["service"], {})
+            row["restarts"] = svc.get("restarts", 0)
+            row["last_exit"] = svc.get("last_exit")
+            row["state"] = svc.get("state")
+            row["next_restart_at"] = svc.get("next_restart_at")
+            row["note"] = svc.get("note")
+        where = str(self.supervisor_file.parent / "supervisor.log")
+        rows.append({"service": "supervisor", "running": sup_pid is not None, "pid": sup_pid, "where": where})
         return rows

@@ -98,6 +98,12 @@ class RegistryServer:
         """Start the server unless ours is already running; returns once /health answers."""
         if self._pid() is not None:
             return self._wait_healthy(self._pid(), timeout)
+        proc = self.spawn()
+        return self._wait_healthy(proc.pid, timeout, proc)
+
+    def spawn(self) -> subprocess.Popen:
+        """Start `mlflow server` and record its pid; returns at once (`ready` says when /health
+        answers). The stack's supervisor waits on the returned process for its exit status."""
         if _port_open(self.host, self.port):
             raise RegistryUnavailableError(f"port {self.port} is already in use by another process")
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +132,10 @@ class RegistryServer:
                 start_new_session=True,
             )
         self._pid_file.write_text(json.dumps({"pid": proc.pid, "host": self.host, "port": self.port}))
-        return self._wait_healthy(proc.pid, timeout, proc)
+        return proc
+
+    def ready(self) -> bool:
+        return health(self.tracking_uri, timeout=1.0)
 
     def _wait_healthy(self, pid: int, timeout: float, proc: subprocess.Popen | None = None) -> ServerStatus:
         deadline = time.monotonic() + timeout

@@ -144,6 +144,9 @@ class ChampionFollower:
             return
         if event.target_fingerprint != self.fingerprint or event.alias != "champion":
             return
+        if event.version == self._live:  # a reconcile between the alias move and its event got there first
+            log.debug("drafter %s is already live (%s)", event.version, event.type)
+            return
         self._apply(event)
 
     def _apply(self, event: DrafterEvent) -> None:

@@ -188,7 +188,7 @@ class Engine(StepLoop):
             if r.method in DRAFTER_METHODS:  # every prompt token (ar requests need no context)
                 committed_rows.append(torch.arange(int(batch.cu[j]), int(batch.cu[j + 1])))
             r.kv_len = len(r.prompt_ids)
-            self._emit(r, [tok], now)
+            self._emit(r, [tok], now, first_logits[j : j + 1])
             stats.emitted += 1
         if decoding:
             accepted, nxt = verifier.verify(decoding, plan, t_logits)
@@ -206,7 +206,7 @@ class Engine(StepLoop):
                 r.rounds.append(RoundStat(start, plan.khat[i], acc, plan.a_hat[i], plan.proposer[i]))
                 r.kv_len += acc + 1
                 new = plan.drafts[int(doff[i]) : int(doff[i]) + acc].tolist() + [nxt[i]]
-                self._emit(r, new, now)
+                self._emit(r, new, now, t_logits[int(plan.cu[i]) : int(plan.cu[i]) + acc + 1])
                 stats.emitted += len(new)
         if committed_rows:
             rows = torch.cat(committed_rows)
@@ -227,8 +227,10 @@ class Engine(StepLoop):
 
     # --- committing, hot reload ------------------------------------------------------------------
 
-    def _emit(self, r: Request, new: list[int], now: float) -> None:
-        self._notify(r, r.commit(new, self.eos, lambda ids: self.target.tokenizer.decode(ids), now))
+    def _emit(self, r: Request, new: list[int], now: float, logits: torch.Tensor) -> None:
+        """Commit `new` (row j of `logits`: the target's logits token j was committed from)."""
+        lps = verifier.committed_logprobs(r, new, logits)
+        self._notify(r, r.commit(new, self.eos, lambda ids: self.target.tokenizer.decode(ids), now, lps))
 
     def _apply_staged(self) -> None:
         """Hot reload between steps: the context cache belongs to the drafter (its fc and k/v

@@ -35,6 +35,9 @@ class RequestBody(BaseModel):
 
 class CompletionBody(RequestBody):
     prompt: str | list[int] | list[str]
+    # The legacy API: how many alternatives per token (0: the token's own logprob only); a
+    # boolean, as chat clients send it, means 0 (true) or off (false).
+    logprobs: bool | int | None = None
 
 
 class ChatMessage(BaseModel):
@@ -45,6 +48,8 @@ class ChatMessage(BaseModel):
 
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
 
 
 class ReloadBody(BaseModel):
@@ -58,8 +63,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # Fields the engine cannot honour: refused with a 400 rather than silently ignored. Each maps to
 # the values that mean "off" (those are accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),

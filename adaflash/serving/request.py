@@ -34,6 +34,8 @@ HEAD_METHODS = ("adaflash", "adaflash-cost")  # need the length head
 MIN_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed's range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Most alternatives per token a request may ask logprobs for (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 class Status(Enum):
@@ -51,6 +53,20 @@ class GenParams:
     top_p: float = 1.0  # nucleus filter, applied to target and draft distributions alike
     top_k: int = 0  # 0: no top-k filter
     stop: tuple[str, ...] = ()  # stop sequences, matched on the committed (detokenised) text
+    # None: no logprobs. k in [0, MAX_LOGPROBS]: each committed token's logprob and the k most
+    # likely tokens at its position, under the target's distribution (see `TokenLogprob`).
+    logprobs: int | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """One committed token's log-probability under the target's distribution at its position (the
+    row verification compared the drafts with, so speculative decoding reports what plain decoding
+    would), and the `top` most likely tokens there, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +98,7 @@ class Request:
     slot: int = -1
     kv_len: int = 0  # committed tokens in the target KV (and drafter context)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, if asked for
     rounds: list[RoundStat] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # perf_counter per output token
     arrival: float = field(default_factory=time.perf_counter)
@@ -128,10 +145,16 @@ class Request:
         return first
 
     def commit(
-        self, new: list[int], eos: set[int], decode: Callable[[list[int]], str], now: float
+        self,
+        new: list[int],
+        eos: set[int],
+        decode: Callable[[list[int]], str],
+        now: float,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> list[int]:
-        """Append verified tokens, cut at the first eos / stop sequence / max_tokens; returns the
-        tokens actually committed (what the client is sent)."""
+        """Append verified tokens (and their `logprobs`, one per token), cut at the first eos /
+        stop sequence / max_tokens; returns the tokens actually committed (what the client is
+        sent)."""
         for j, t in enumerate(new):
             if t in eos:
                 new = new[: j + 1]
@@ -146,6 +169,8 @@ class Request:
                 del self.output_ids[cut:]
                 new = new[: cut - before]
                 self.finish_reason = "stop"
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[: len(new)])
         self.token_times.extend([now] * len(new))
         if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
@@ -192,6 +217,8 @@ def check_params(p: GenParams, method: str, has_drafter: bool, has_head: bool) -
         raise InputError("stop sequences must be non-empty strings")
     if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
         raise InputError("max_tokens must be >= 1")
+    if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
+        raise InputError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int) -> None:

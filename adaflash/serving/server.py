@@ -8,6 +8,8 @@ Endpoints: `/v1/completions`, `/v1/chat/completions` (SSE streaming and plain JS
 `/health`, `/metrics` (Prometheus), `POST /admin/drafter/reload` (bearer token).
 Extensions beyond the OpenAI schema: request field `method` (ar | ngram | dflash | adaflash, default the
 server's), response `choices[].token_ids` and an `adaflash` object (τ, mean k̂, drafter version).
+Logprobs (chat `logprobs` + `top_logprobs`, completions `logprobs: k`, up to 20) are the target's
+own log-softmax at each returned token id (one entry per id, before temperature/top-k/top-p).
 Tenant: header `X-Tenant-Id`, else the OpenAI `user` field. Feedback consent: header
 `X-Feedback-Consent: false` opts the request out of training (the record still flows, flagged,
 so governance can count and drop it).
@@ -16,6 +18,7 @@ so governance can count and drop it).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import hmac
 import json
@@ -49,7 +52,7 @@ from adaflash.serving.protocol import (
     error_response,
 )
 from adaflash.serving.reload import DrafterReloader
-from adaflash.serving.request import SEED_MAX, SEED_MIN
+from adaflash.serving.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN, TokenLogprob
 from adaflash.serving.scheduler import QueueFull
 
 
@@ -66,7 +69,7 @@ log = logging.getLogger(__name__)
 
 class _Stream:
     """Bridge from the step-loop thread to the handler's event loop, for the n choices of one
-    HTTP request: items are (choice index, new tokens, finished)."""
+    HTTP request: items are (choice index, new tokens, finished, their logprobs)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -74,9 +77,67 @@ class _Stream:
 
     def sink_for(self, index: int):
         def sink(req: Request, new: list[int], finished: bool) -> None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, list(new), finished))
+            # Taken now, on the step-loop thread: the entries of exactly these tokens.
+            lps = req.logprobs[len(req.logprobs) - len(new) :] if new and req.logprobs else []
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, list(new), finished, lps))
 
         return sink
+
+
+class LogprobsFormat:
+    """One choice's logprobs in OpenAI's shapes, built token by token (a stream sends each
+    chunk's): chat `{"content": [{token, logprob, bytes, top_logprobs}]}` or the legacy
+    completions `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text is its bytes
+    when they are UTF-8, else OpenAI's `bytes:\\xNN` spelling (a piece of a multi-byte character;
+    `bytes` has the raw values), so distinct tokens never share a key of `top_logprobs`;
+    `text_offset` counts characters of the text the tokens decode to."""
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tok, self.chat = tokenizer, chat
+        self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def _pieces(self, ids: list[int]) -> list[bytes]:
+        try:
+            return self.tok.token_bytes(ids)
+        except NotImplementedError:  # not a byte-level vocabulary: each token's own decoding
+            return [self.tok.decode([i]).encode() for i in ids]
+
+    def _text(self, token: int, raw: bytes) -> str:
+        if not raw:  # a special token (eos): no text of its own, so its name
+            hf = getattr(self.tok, "tok", None)
+            name = hf.convert_ids_to_tokens(token) if hf is not None else None
+            return name if isinstance(name, str) else f"<|token_{token}|>"
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def format(self, entries: list[TokenLogprob]) -> dict | None:
+        if not entries:
+            return None
+        ids = [e.token for e in entries]
+        alt_ids = sorted({t for e in entries for t, _ in e.top} - set(ids))
+        raw = dict(zip(ids + alt_ids, self._pieces(ids + alt_ids), strict=True))
+        text = {t: self._text(t, b) for t, b in raw.items()}
+        if self.chat:
+
+            def entry(t: int, lp: float) -> dict:
+                return {"token": text[t], "logprob": lp, "bytes": list(raw[t])}
+
+            content = [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                       for e in entries]  # fmt: skip
+            return {"content": content, "refusal": None}
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            alts = {text[t]: lp for t, lp in e.top}
+            alts.setdefault(text[e.token], e.logprob)  # the chosen token is always listed, as OpenAI does
+            out["tokens"].append(text[e.token])
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append(alts)
+            out["text_offset"].append(self.offset)
+            self.offset += len(self._utf8.decode(raw[e.token]))
+        return out
 
 
 def output_text(tokenizer, eos: set[int], req: Request) -> str:
@@ -168,10 +229,29 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=top_k,
             stop=stop,
+            logprobs=requested_logprobs(body),
         )
         probe = Request([0], dataclasses.replace(params, max_tokens=1))
         engine.validate_params(probe)
         return params, n
+
+    def requested_logprobs(body: RequestBody) -> int | None:
+        """GenParams.logprobs from chat's `logprobs` + `top_logprobs` or completions' `logprobs`."""
+        if isinstance(body, ChatBody):
+            top = body.top_logprobs
+            if top is not None and not 0 <= top <= MAX_LOGPROBS:
+                raise InputError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+            if not body.logprobs:
+                if top:
+                    raise InputError("top_logprobs needs logprobs: true")
+                return None
+            return top or 0
+        k = getattr(body, "logprobs", None)
+        if isinstance(k, bool):
+            k = 0 if k else None
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise InputError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+        return k
 
     def choice_seed(seed: int | None, i: int) -> int | None:
         if seed is None:
@@ -249,18 +329,25 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
 
-        def chunk_of(i: int, text: str, new: list[int], first: bool, done: bool) -> dict:
+        wants_logprobs = params.logprobs is not None
+        formats = [LogprobsFormat(tok, chat) for _ in reqs]
+
+        def logprobs_of(i: int, entries: list[TokenLogprob]) -> dict | None:
+            return formats[i].format(entries) if wants_logprobs else None
+
+        def chunk_of(i: int, text: str, new: list[int], first: bool, done: bool, lps: list) -> dict:
             r = reqs[i]
             if chat:
                 d: dict = {"content": text}
                 if first:
                     d["role"] = "assistant"
-                choice = {"index": i, "delta": d, "finish_reason": finish(r) if done else None}
+                choice = {"index": i, "delta": d, "logprobs": logprobs_of(i, lps)}
+                choice["finish_reason"] = finish(r) if done else None
             else:
                 choice = {
                     "index": i,
                     "text": text,
-                    "logprobs": None,
+                    "logprobs": logprobs_of(i, lps),
                     "finish_reason": finish(r) if done else None,
                 }
             choice["token_ids"] = new
@@ -286,14 +373,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
                 first = [True] * n
                 try:
                     while not all(done):
-                        i, new, fin = await stream.queue.get()
+                        i, new, fin, lps = await stream.queue.get()
                         if done[i]:
                             continue
                         r = reqs[i]
                         if r.cancelled:
                             return
                         text = deltas[i].push(new, fin, r.stop_index)
-                        chunk = chunk_of(i, text, new, first[i], fin)
+                        chunk = chunk_of(i, text, new, first[i], fin, lps)
                         first[i], done[i] = False, fin
                         if all(done):
                             chunk["usage"] = usage(reqs)
@@ -312,7 +399,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
         finished: set[int] = set()
         while len(finished) < n:
             try:
-                i, _, fin = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
+                i, _, fin, _ = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
             except TimeoutError:
                 if await http.is_disconnected():
                     for r in reqs:
@@ -328,14 +415,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
         choices = []
         for i, r in enumerate(reqs):
             text = output_text(tok, engine.eos, r)
+            lps = logprobs_of(i, r.logprobs)
             if chat:
                 choice = {
                     "index": i,
                     "message": {"role": "assistant", "content": text},
+                    "logprobs": lps,
                     "finish_reason": finish(r),
                 }
             else:
-                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish(r)}
+                choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish(r)}
             choice["token_ids"] = r.output_ids
             choices.append(choice)
         return {

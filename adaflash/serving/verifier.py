@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from adaflash import kernels
-from adaflash.serving.request import Request
+from adaflash.serving.request import Request, TokenLogprob
 
 
 @dataclass
@@ -94,6 +94,35 @@ def dist(logits: torch.Tensor, owners: list[Request]) -> torch.Tensor:
 
 
 SAMPLING_ERRORS = (RuntimeError, ValueError, FloatingPointError)
+# What a non-finite logprob is reported as (JSON has no -inf; vLLM and OpenAI use this value).
+LOGPROB_FLOOR = -9999.0
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Logprobs of `tokens`, token j under row j of `logits` (the target's logits at the position
+    it was committed at), with the `top` most likely tokens of each row.
+
+    log_softmax of the raw logits, before temperature, top-k and top-p (vLLM's default
+    `raw_logprobs`): the model's own distribution, the same at any sampling setting. The rows are
+    the ones the verifier compared the drafts with, so a token accepted from a draft reports what
+    plain decoding at that position would."""
+    prec = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    lp = torch.log_softmax(logits[: len(tokens)].to(prec), dim=-1)
+    lp = torch.nan_to_num(lp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0).clamp(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).tolist()
+    if top > 0:
+        vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, c, k) for t, c, k in zip(tokens, chosen, tops, strict=True)]
+
+
+def committed_logprobs(req: Request, tokens: list[int], logits: torch.Tensor) -> list[TokenLogprob] | None:
+    """What `Request.commit` records beside `tokens`: None unless the request asked for logprobs."""
+    if req.params.logprobs is None:
+        return None
+    return token_logprobs(logits, tokens, req.params.logprobs)
 
 
 def sample_first(reqs: list[Request], logits: torch.Tensor) -> list[int]:
