@@ -241,6 +241,9 @@ class FakeTrainingOperator:
         return {"status": {"conditions": [{"type": "Created", "status": "True"}, state]}}
 
 
+# The 2-process gloo equivalence itself is in the default suite (test_data_parallel.py); this one
+# runs the rendered torchrun command end to end (~20-30 s on 2 cores): `make test-slow`.
+@pytest.mark.slow
 def test_the_job_trains_data_parallel_through_the_rendered_command(tiny32, tmp_path):
     bundle = make_bundle(tiny32, block_size=8, seed=3)
     save_drafter(tmp_path / "champion", bundle.drafter, bundle.length_head, bundle.meta)
