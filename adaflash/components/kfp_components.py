@@ -16,14 +16,19 @@ IMAGE = "ghcr.io/adaflash/adaflash:0.1.0"
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def ingest_op(
-    governance_dir: str, min_records: int, heldout_fraction: float, snapshot: Output[Dataset]
+    governance_dir: str,
+    min_records: int,
+    heldout_fraction: float,
+    heldout_per_domain: int,
+    snapshot: Output[Dataset],
 ) -> int:
     """Clean records no version trained on → train/held-out snapshot with lineage."""
     from pathlib import Path
 
     from adaflash.components.steps import ingest
 
-    snap = ingest(Path(governance_dir), min_records=min_records, heldout_fraction=heldout_fraction)
+    snap = ingest(Path(governance_dir), min_records=min_records, heldout_fraction=heldout_fraction,
+                  heldout_per_domain=heldout_per_domain)  # fmt: skip
     snap.save(Path(snapshot.path))
     snapshot.metadata.update(snap.summary())
     return len(snap.train)
@@ -76,6 +81,7 @@ def shadow_eval_op(
     min_gain: float,
     max_domain_regression: float,
     gate_metric: str,
+    gate_min_records: int,
     report: Output[Artifact],
     metrics: Output[Metrics],
 ) -> str:
@@ -83,10 +89,12 @@ def shadow_eval_op(
     import json
     from pathlib import Path
 
-    from adaflash.components.steps import GatePolicy, Snapshot, shadow_gate
+    from adaflash.components.gate import GatePolicy
+    from adaflash.components.steps import Snapshot, shadow_gate
     from adaflash.models.targets import load_target
 
-    policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric)
+    policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric,
+                        min_records=gate_min_records)  # fmt: skip
     held = Snapshot.load(Path(snapshot.path)).heldout
     shadow = shadow_gate(load_target(target), held, Path(champion.path), Path(challenger.path), policy,
                          concurrency, max_new_tokens)  # fmt: skip

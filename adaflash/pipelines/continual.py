@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kfp import compiler, dsl, kubernetes
 
+from adaflash.components.gate import GATE_METRICS, GATE_MODES
 from adaflash.components.kfp_components import (
     champion_op,
     ingest_op,
@@ -22,7 +23,7 @@ from adaflash.components.kfp_components import (
     shadow_eval_op,
     train_op,
 )
-from adaflash.components.steps import GATE_METRICS, GATE_MODES, LOSSES
+from adaflash.components.steps import LOSSES
 
 PIPELINE_NAME = "adaflash-continual-training"
 # On a cluster every step mounts the volumes of manifests/base/storage.yaml where the governance
@@ -45,22 +46,27 @@ def continual_training(
     bootstrap_servers: str = "",
     min_records: int = 128,
     heldout_fraction: float = 0.2,
+    heldout_per_domain: int = 0,
     loss: str = "opd",
     epochs: int = 2,
     lr: float = 3e-4,
     random_anchors: int = 0,
     concurrency: int = 8,
     max_new_tokens: int = 64,
-    min_gain: float = 0.02,
+    min_gain: float = 0.0,
     max_domain_regression: float = 0.02,
     gate_metric: str = "tau_full",
+    gate_min_records: int = 16,
     gate_mode: str = "auto",
 ):
     exit_task = record_run_op(governance_dir=governance_dir)
     _on_shared_volume(exit_task)
     with dsl.ExitHandler(exit_task, name="record-run"):
         snap = ingest_op(
-            governance_dir=governance_dir, min_records=min_records, heldout_fraction=heldout_fraction
+            governance_dir=governance_dir,
+            min_records=min_records,
+            heldout_fraction=heldout_fraction,
+            heldout_per_domain=heldout_per_domain,
         )
         champ = champion_op(target=target, tracking_uri=tracking_uri, fallback_dir=fallback_drafter)
         trained = train_op(
@@ -82,6 +88,7 @@ def continual_training(
             min_gain=min_gain,
             max_domain_regression=max_domain_regression,
             gate_metric=gate_metric,
+            gate_min_records=gate_min_records,
         )
         reg = register_op(
             target=target,
@@ -102,7 +109,7 @@ def continual_training(
                     tracking_uri=tracking_uri,
                     bootstrap_servers=bootstrap_servers,
                     version=reg.output,
-                    reason="shadow evaluation: beat the champion by the configured margin",
+                    reason="shadow evaluation: the gate's paired bootstrap interval cleared the bar",
                 )
 
 
