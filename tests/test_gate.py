@@ -138,3 +138,25 @@ def test_the_report_carries_intervals_counts_and_the_reason():
     assert summary["tau_full.all"]["n"] == 32 and summary["tau_full.math"]["n"] == 8
     m = shadow.metrics()
     assert m["gate.tau_full.all.low"] > 0 and m["gate.tau_full.code.n"] == 24
+
+
+def test_the_demo_shows_a_rejection_plainly_with_its_evidence():
+    """`make demo` never overrides the gate: a reject is printed with its reasons and intervals."""
+    from rich.console import Console
+
+    from adaflash.ops.demo import gate_table, rejection_text
+
+    champ, chall = reports({"code": (24, 0.0, 0.1), "chat": (8, -0.15, 0.02)})
+    d = gate(champ, chall).to_dict()
+    assert not d["promote"]
+    console = Console(record=True, width=200)
+    console.print(gate_table(d, "2", "1"))
+    console.print(rejection_text(d, "2", "1"))
+    text = console.export_text()
+    assert "shadow gate: v2 vs v1 on the same held-out records (95% paired bootstrap, 2000 resamples" in text
+    assert "the gate rejected v2; v1 stays champion" in text
+    assert "domain chat regresses" in text and "regresses" in text.split("the gate rejected")[0]
+    assert "tau (guard)" in text and "The demo does not override the gate" in text
+    assert "registry promote 2 --override-gate" in text
+    for iv in d["intervals"]:  # every interval is on screen, with its record count
+        assert f"[{iv['low']:+.3f}, {iv['high']:+.3f}]" in text

@@ -57,6 +57,12 @@ def test_pipeline_runs_locally_and_registers_a_version_with_exact_lineage(tmp_pa
     # the whole shadow report (per-record τ of both drafters) as a run artifact.
     assert info.tags["adaflash.gate"] == "promote" and "16 records" in info.tags["adaflash.gate_reason"]
     assert info.metrics["gate.tau_full.all.n"] == "16" and float(info.metrics["gate.tau_full.all.low"]) > 0
+    # The training budget as it ran: 32 records, 6 epochs, 2 records a step.
+    assert (info.metrics["train.records"], info.metrics["train.epochs"], info.metrics["train.steps"]) == (
+        "32",
+        "6",
+        "96",
+    )
     report = reg.report("1", "shadow_report")
     assert report["gate"]["promote"] and len(report["challenger"]["records"]) == 16
     assert [e["type"] for e in events][-2:] == ["registered", "promoted"] or "promoted" in [

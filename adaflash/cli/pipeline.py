@@ -56,6 +56,7 @@ def pipeline_run(
         str, typer.Option(help="tau_full (full-block τ; served τ guarded) | tau (served)")
     ] = "tau_full",
     concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = 8,
+    gamma: Annotated[float, typer.Option(help="shadow-eval k̂ = ⌊γ·â·k⌋: the fleet's `serve --gamma`")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = 64,
     pipeline_root: Annotated[Path, typer.Option(help="kfp.local artifacts")] = Path(".adaflash/kfp"),
 ) -> None:
@@ -82,6 +83,7 @@ def pipeline_run(
             heldout_fraction=heldout_fraction,
             concurrency=concurrency,
             max_new_tokens=max_new_tokens,
+            gamma=gamma,
         )
     except ValueError as e:
         raise InputError(str(e)) from e

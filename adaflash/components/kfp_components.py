@@ -78,6 +78,7 @@ def shadow_eval_op(
     challenger: Input[Model],
     concurrency: int,
     max_new_tokens: int,
+    gamma: float,
     min_gain: float,
     max_domain_regression: float,
     gate_metric: str,
@@ -97,7 +98,7 @@ def shadow_eval_op(
                         min_records=gate_min_records)  # fmt: skip
     held = Snapshot.load(Path(snapshot.path)).heldout
     shadow = shadow_gate(load_target(target), held, Path(champion.path), Path(challenger.path), policy,
-                         concurrency, max_new_tokens)  # fmt: skip
+                         concurrency, max_new_tokens, gamma)  # fmt: skip
     Path(report.path).write_text(json.dumps(shadow.to_dict()))
     for name, value in shadow.metrics().items():
         metrics.log_metric(name, value)
@@ -124,7 +125,7 @@ def register_op(
 
     return register(target, tracking_uri, bootstrap_servers, Path(governance_dir), gate_mode, decision,
                     Snapshot.load(Path(snapshot.path)), Path(challenger.path),
-                    json.loads(Path(report.path).read_text()))  # fmt: skip
+                    json.loads(Path(report.path).read_text()), dict(challenger.metadata))  # fmt: skip
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)

@@ -140,6 +140,7 @@ def shadow_eval(
     concurrency: int = 8,
     max_new_tokens: int = 64,
     reference: dict[str, list[int]] | None = None,
+    gamma: float = 1.0,
 ) -> dict:
     """Serve the held-out prompts with `drafter_dir` (adaflash, T=0) on the serving engine at
     `concurrency` (continuous batching, as served), one domain at a time, and report per domain:
@@ -148,7 +149,8 @@ def shadow_eval(
     calibration error against the uncensored label, τ over the full block (`tau_full`), and
     whether outputs equal the AR reference (lossless check; `reference` maps record id → AR token
     ids, computed on the same engine if missing). `records` holds each record's served and
-    full-block τ: what the gate pairs between two drafters.
+    full-block τ: what the gate pairs between two drafters. `gamma`: the fleet's k̂ = ⌊γ·â·k⌋, so
+    the served τ is the one the fleet would serve.
     """
     from adaflash.models.checkpoint import load_drafter_for
 
@@ -161,7 +163,7 @@ def shadow_eval(
     lossless = True
     for dom in sorted({d for _, d, _ in prompts}):
         chunk = [p for p in prompts if p[1] == dom]
-        served = serve_greedy(target, bundle, "adaflash", chunk, concurrency, max_new_tokens)
+        served = serve_greedy(target, bundle, "adaflash", chunk, concurrency, max_new_tokens, gamma)
         for (rid, _, _), res in zip(chunk, served.requests, strict=True):
             lossless &= res.output_ids == reference[rid]
             gained = sum(r.accepted + 1 for r in res.rounds)
@@ -179,7 +181,7 @@ def shadow_eval(
             acc[key]["cpu_seconds"] += served.cpu_seconds
     # Served rounds are censored by k̂; calibrate against the full block's acceptance instead, by
     # replaying the drafter on the (lossless) greedy continuations.
-    for rec, seq in zip(heldout, calibration(target, bundle, heldout, reference), strict=True):
+    for rec, seq in zip(heldout, calibration(target, bundle, heldout, reference, gamma), strict=True):
         row = records[rec.record.record_id]
         row["tau_full"] = seq.tau_full
         a = acc[row["domain"]], acc["all"]
@@ -202,11 +204,13 @@ def shadow_eval(
         }
         for d, a in acc.items()
     }
-    return {"drafter": str(drafter_dir), "concurrency": concurrency, "lossless": lossless,
+    return {"drafter": str(drafter_dir), "concurrency": concurrency, "gamma": gamma, "lossless": lossless,
             "domains": domains, "records": records}  # fmt: skip
 
 
-def calibration(target, bundle, heldout: list[CleanRecord], reference: dict[str, list[int]]) -> list:
+def calibration(
+    target, bundle, heldout: list[CleanRecord], reference: dict[str, list[int]], gamma: float = 1.0
+) -> list:
     """Per held-out record (in order), the drafter's replayed rounds on the greedy continuation:
     full-block τ and the length head's |â − a*| (`training.evaluate.SequenceAcceptance`)."""
     from adaflash.training.blocks import sequence_pass
@@ -216,7 +220,7 @@ def calibration(target, bundle, heldout: list[CleanRecord], reference: dict[str,
     ids = bundle.drafter.config.target_layer_ids
     passes = [p for i in range(0, len(seqs), 8) for p in sequence_pass(target.model, seqs[i : i + 8], ids)]
     starts = [len(r.record.prompt_token_ids) for r in heldout]
-    return acceptance_per_sequence(bundle.drafter, target.model, passes, starts, bundle.length_head)
+    return acceptance_per_sequence(bundle.drafter, target.model, passes, starts, bundle.length_head, gamma)
 
 
 @dataclass
@@ -226,13 +230,15 @@ class Served:
     cpu_seconds: float  # this process's CPU time over the same span
 
 
-def serve_greedy(target, bundle, method: str, prompts, concurrency: int, max_new_tokens: int) -> Served:
+def serve_greedy(
+    target, bundle, method: str, prompts, concurrency: int, max_new_tokens: int, gamma: float = 1.0
+) -> Served:
     """Greedy decoding of (id, domain, prompt ids) on the serving engine with `concurrency`
     slots — what serving would do with them."""
     from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 
     queue = max(len(prompts), 1)
-    cfg = EngineConfig(method=method, max_running=concurrency, max_queue=queue, calibrate=False)
+    cfg = EngineConfig(method=method, gamma=gamma, max_running=concurrency, max_queue=queue, calibrate=False)
     engine = Engine(target, bundle, cfg, "shadow")
     t0, cpu0 = time.perf_counter(), time.process_time()
     reqs = [engine.submit(Request(list(p), GenParams(max_tokens=max_new_tokens))) for _, _, p in prompts]
@@ -291,11 +297,12 @@ def shadow_gate(
     policy: GatePolicy,
     concurrency: int = 8,
     max_new_tokens: int = 64,
+    gamma: float = 1.0,
 ) -> ShadowReport:
     """Shadow-evaluate both drafters against one AR reference, then gate the challenger."""
     ref = ar_reference(target, prompts_of(heldout), concurrency, max_new_tokens)
-    old = shadow_eval(target, champion_dir, heldout, concurrency, max_new_tokens, ref)
-    new = shadow_eval(target, challenger_dir, heldout, concurrency, max_new_tokens, ref)
+    old = shadow_eval(target, champion_dir, heldout, concurrency, max_new_tokens, ref, gamma)
+    new = shadow_eval(target, challenger_dir, heldout, concurrency, max_new_tokens, ref, gamma)
     return ShadowReport(old, new, gate(old, new, policy))
 
 
@@ -334,7 +341,10 @@ def train(target, snapshot: Snapshot, champion_dir: Path, parent: str | None, ou
     lineage = {"train_record_ids": snapshot.lineage["train_record_ids"], "parent": parent}
     trainer = OnlineTrainer(target, load_drafter_for(champion_dir, target), out, cfg)
     metrics = trainer.train(snapshot.train, lineage=lineage)
-    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"]}
+    # The budget as it ran, in steps: what a reader of the registry compares across versions.
+    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"],
+            "records": metrics["records"], "epochs": cfg.epochs, "steps": metrics["steps"],
+            "lr": cfg.lr}  # fmt: skip
 
 
 def register(
@@ -347,10 +357,12 @@ def register(
     snapshot: Snapshot,
     challenger_dir: Path,
     shadow: dict,
+    training: dict | None = None,
 ) -> str:
     """Register the challenger with its lineage, shadow metrics and the gate's intervals (`shadow`:
     a ShadowReport's dict, also logged whole as the run's `shadow_report.json`) — pending approval
-    when the gate said promote in manual mode — and mark its records trained in the lineage store."""
+    when the gate said promote in manual mode — and mark its records trained in the lineage store.
+    `training`: the train step's summary (records, epochs, steps, ...), logged as `train.*` metrics."""
     from datetime import UTC, datetime
 
     lineage = {
@@ -363,7 +375,7 @@ def register(
         "heldout_by_domain": snapshot.lineage.get("heldout_by_domain", {}),
     }
     metrics = {"shadow": shadow["challenger"]["domains"], "champion": shadow["champion"]["domains"],
-               "gate": gate_summary(shadow["gate"])}  # fmt: skip
+               "gate": gate_summary(shadow["gate"]), "train": training or {}}  # fmt: skip
     with _registry(target, tracking_uri, bootstrap_servers) as reg:
         version = reg.register(
             challenger_dir,
