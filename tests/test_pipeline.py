@@ -114,7 +114,7 @@ def test_pipeline_runs_locally_and_registers_a_version_with_exact_lineage(tmp_pa
             fallback_drafter=str(tmp_path / "bootstrap"),
             bootstrap_servers=broker.bootstrap_servers,
             min_records=32,
-            heldout_fraction=0.25,
+            heldout_per_domain=8,
             epochs=6,
             lr=2e-3,
             random_anchors=16,
@@ -126,7 +126,19 @@ def test_pipeline_runs_locally_and_registers_a_version_with_exact_lineage(tmp_pa
     reg = RegistryClient(mlflow_server.tracking_uri, tiny32.fingerprint)
     assert reg.champion() == "1"  # the challenger won the shadow evaluation and was auto-promoted
     info = reg.show("1")
-    assert info.lineage["records"] == "36" and info.lineage["shard_count"] == "3"
+    assert info.lineage["records"] == "32" and info.lineage["shard_count"] == "3"
+    # The gate's evidence is in the registry: its intervals as metrics, its decision as tags, and
+    # the whole shadow report (per-record τ of both drafters) as a run artifact.
+    assert info.tags["adaflash.gate"] == "promote" and "16 records" in info.tags["adaflash.gate_reason"]
+    assert info.metrics["gate.tau_full.all.n"] == "16" and float(info.metrics["gate.tau_full.all.low"]) > 0
+    # The training budget as it ran: 32 records, 6 epochs, 2 records a step.
+    assert (info.metrics["train.records"], info.metrics["train.epochs"], info.metrics["train.steps"]) == (
+        "32",
+        "6",
+        "96",
+    )
+    report = reg.report("1", "shadow_report")
+    assert report["gate"]["promote"] and len(report["challenger"]["records"]) == 16
     assert [e["type"] for e in events][-2:] == ["registered", "promoted"] or "promoted" in [
         e["type"] for e in events
     ]
@@ -134,7 +146,7 @@ def test_pipeline_runs_locally_and_registers_a_version_with_exact_lineage(tmp_pa
     # Lineage both ways: version -> its exact training records, and record -> the versions it fed.
     store = LineageStore(gov / "lineage.sqlite")
     trained = store.records_for_version("1")
-    assert len(trained) == 36
+    assert len(trained) == 32
     assert store.record(trained[0])["trained_into"] == ["1"]
     assert store.untrained_shards() == []  # consumed: the next run waits for new traffic
     runs = [json.loads(x) for x in (gov / "pipeline_runs.jsonl").read_text().splitlines()]

@@ -368,3 +368,46 @@ def test_cli_register_first_champion(mlflow_server, broker, tiny, drafters, monk
     assert code == 0, err
     version = out.split(" v", 1)[1].split()[0]
     assert "registered as challenger" in out and f"champion is now v{version}" in out
+
+
+def test_a_gate_rejected_version_is_promoted_only_as_a_recorded_override(
+    mlflow_server, broker, tiny, drafters, client, monkeypatch, capsys
+):
+    """The manual override is a CLI path: refused without --override-gate, refused without a
+    reason, and when taken it is tagged on the version and says so in the history."""
+    reg = client(None)  # the CLI's model (named after the target's fingerprint)
+    base = reg.register(drafters[0], LINEAGE, who="pipeline")
+    reg.promote(base, "ops", "baseline for the override test")
+    why = "not enough evidence: tau_full all: Δ +0.010 [-0.020, +0.040] (1.500 → 1.510, 24 records)"
+    v = reg.register(drafters[1], LINEAGE, who="pipeline", gate=("reject", why))
+    assert reg.show(v).tags["adaflash.gate"] == "reject"
+    common = ["--target", "tiny", "--tracking-uri", mlflow_server.tracking_uri,
+              "--bootstrap-servers", broker.bootstrap_servers]  # fmt: skip
+
+    promote = ["registry", "promote", v]
+    code, _, err = _cli(monkeypatch, capsys, *promote, "--reason", "looks fine", *common)
+    assert code == 2 and "rejected by the shadow gate (not enough evidence" in err
+    assert "--override-gate" in err
+    code, _, err = _cli(monkeypatch, capsys, "registry", "approve", v, "--reason", "looks fine", *common)
+    assert code == 2 and "rejected by the shadow gate" in err
+    assert reg.show(v).approval is None  # a refused approval records nothing
+    code, _, err = _cli(monkeypatch, capsys, *promote, "--override-gate", "--reason", " ", *common)
+    assert code == 2 and "needs a reason" in err
+    assert reg.champion() == base
+
+    code, out, err = _cli(monkeypatch, capsys, *promote, "--override-gate", "--reason",
+                          "customer demo needs the code drafter today", "--who", "erin", *common)  # fmt: skip
+    assert code == 0 and f"champion is now v{v}" in out and "manual override of the gate" in out, err
+    info = reg.show(v)
+    assert reg.champion() == v and info.tags["adaflash.gate_override"] == "true"
+    assert info.tags["adaflash.promoted_reason"] == (
+        "manual override of the shadow gate's reject: customer demo needs the code drafter today"
+    )
+    last = reg.history()[-1]
+    assert (last.action, last.version, last.who) == ("promoted", v, "erin")
+    assert last.reason.startswith("manual override of the shadow gate's reject:") and last.event_published
+    # A version the gate did not reject needs no override; the flag is then a no-op.
+    w = reg.register(drafters[0], LINEAGE, who="pipeline", gate=("promote", "tau_full all: Δ +0.1"))
+    code, out, _ = _cli(monkeypatch, capsys, "registry", "promote", w, "--override-gate", "--reason", "x",
+                        *common)  # fmt: skip
+    assert code == 0 and "manual override" not in out and "gate_override" not in reg.show(w).tags

@@ -19,10 +19,15 @@ def test_demo_scenario_runs_the_whole_loop_on_tiny(tmp_path, tiny32, monkeypatch
         target="tiny",
         drafter=tmp_path / "drafter",
         home=tmp_path / "demo",
-        requests=16,
-        max_tokens=16,
-        epochs=1,
-        shadow_max_new_tokens=16,
+        requests=48,  # 36 code (the shift), 6 math, 6 chat
+        max_tokens=24,
+        heldout_per_domain=12,  # 12 code + 3 math + 3 chat held out: the gate's 18 paired records
+        # The tiny drafter starts from random weights: a short, fast budget teaches it a lot.
+        epochs=6,
+        lr=2e-3,
+        random_anchors=16,
+        shadow_max_new_tokens=24,
+        fresh_prompts=4,
         anomalies_per_kind=2,  # identical garbage twice: each copy is quarantined
         pii_fraction=0.5,
     )
@@ -31,10 +36,11 @@ def test_demo_scenario_runs_the_whole_loop_on_tiny(tmp_path, tiny32, monkeypatch
     text = console.export_text()
 
     gov = report["governance"]
-    assert gov["in"] == 16 + 2 * len(PLANTED)
+    assert report["traffic"]["by_domain"] == {"math": 6, "code": 36, "chat": 6}
+    assert gov["in"] == 48 + 2 * len(PLANTED)
     assert gov["in"] == gov["clean"] + gov["quarantined"] + gov["duplicate"]
     # Served chat traffic is clean (its prompt text is the templated conversation the target saw).
-    assert gov["clean"] == 16, gov
+    assert gov["clean"] == 48, gov
     # Every planted per-record anomaly is quarantined, with its own reason.
     for kind in ("vocab", "rounds", "length", "inconsistent", "repetition", "consent", "target"):
         assert gov["reasons"].get(kind, 0) >= 1, (kind, gov["reasons"])
@@ -42,6 +48,21 @@ def test_demo_scenario_runs_the_whole_loop_on_tiny(tmp_path, tiny32, monkeypatch
 
     new = report["pipeline"]["version"]
     assert new == "2"  # v1 is the bootstrap champion
+    # The budget in steps, as the registry recorded it: 30 training records, 2 a step, 6 epochs.
+    assert (report["pipeline"]["train_records"], report["pipeline"]["train_steps"]) == (30, 90)
+    # The gate promoted v2 on its evidence (the demo has no override path), and says how much.
+    promo = report["promotion"]
+    assert promo["gate_promoted"] and promo["gate"]["promote"], promo["gate"]["reasons"]
+    assert promo["heldout_by_domain"] == {"all": 18, "code": 12, "math": 3, "chat": 3}
+    ivs = promo["gate"]["intervals"]
+    overall = next(i for i in ivs if i["metric"] == "tau_full" and i["domain"] == "all")
+    assert overall["n"] == 18 and overall["low"] > 0
+    assert "shadow gate: v2 vs v1" in text and "override" not in report["pipeline"]["description"]
+    # Served after the reload and after the rollback: the same fresh prompts on both versions.
+    served = report["served"]
+    assert served["v2"]["requests"] == served["v1"]["requests"] == 4
+    assert served["v1"]["version"] == "1" and served["v2"]["version"] == "2"
+    assert served["v2"]["tps"] > 0 and served["v1"]["tau"] >= 1 and served["identical_outputs"] == 4
     assert report["lineage"]["trained_into"] == [new] and report["lineage"]["records"] >= 8
     assert report["rollback"]["version"] == "1"
     assert report["rollback"]["reload_seconds"] < 60 and report["promotion"]["reload_seconds"] < 60

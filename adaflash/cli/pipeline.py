@@ -85,11 +85,19 @@ def pipeline_run(
     gate_mode: Annotated[
         str, typer.Option(help="auto: promote a winner; manual: leave it pending approval")
     ] = "auto",
-    min_gain: Annotated[float, typer.Option(help="required gain over the champion")] = 0.02,
+    heldout_per_domain: Annotated[
+        int, typer.Option(help="held-out records per domain for the gate (0: --heldout-fraction of all)")
+    ] = 0,
+    heldout_fraction: Annotated[float, typer.Option(help="held-out share when no per-domain count")] = 0.2,
+    min_gain: Annotated[
+        float, typer.Option(help="the gate's overall interval must lie above this τ gain (tokens/round)")
+    ] = 0.0,
+    gate_min_records: Annotated[int, typer.Option(help="fewer paired held-out records: reject")] = 16,
     gate_metric: Annotated[
-        str, typer.Option(help="tau_full (full-block τ; served τ guarded) | tau (served) | tps")
+        str, typer.Option(help="tau_full (full-block τ; served τ guarded) | tau (served)")
     ] = "tau_full",
     concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = 8,
+    gamma: Annotated[float, typer.Option(help="shadow-eval k̂ = ⌊γ·â·k⌋: the fleet's `serve --gamma`")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = 64,
     pipeline_root: Annotated[Path, typer.Option(help="kfp.local artifacts")] = Path(".adaflash/kfp"),
 ) -> None:
@@ -111,8 +119,12 @@ def pipeline_run(
             gate_mode=gate_mode,
             gate_metric=gate_metric,
             min_gain=min_gain,
+            gate_min_records=gate_min_records,
+            heldout_per_domain=heldout_per_domain,
+            heldout_fraction=heldout_fraction,
             concurrency=concurrency,
             max_new_tokens=max_new_tokens,
+            gamma=gamma,
         )
     except ValueError as e:
         raise InputError(str(e)) from e

@@ -43,6 +43,13 @@ WhoOpt = Annotated[
 ]
 ReasonOpt = Annotated[str, typer.Option("--reason", help="why: recorded with the action and in the event")]
 VersionArg = Annotated[str, typer.Argument(help="version number or alias")]
+OverrideOpt = Annotated[
+    bool,
+    typer.Option(
+        "--override-gate",
+        help="promote a version the shadow gate rejected (recorded as a manual override, with --reason)",
+    ),
+]
 TRACKING = "http://127.0.0.1:5000"
 EVENTS = "127.0.0.1:9092"
 
@@ -176,9 +183,11 @@ def registry_show(
 
 @registry_app.command("approve")
 @registry_command(events=EVENTS)
-def registry_approve(reg, version: VersionArg, reason: ReasonOpt, who: WhoOpt = None) -> None:
+def registry_approve(
+    reg, version: VersionArg, reason: ReasonOpt, who: WhoOpt = None, override_gate: OverrideOpt = False
+) -> None:
     """Approve a (pending) challenger and promote it to champion."""
-    v = reg.approve(version, who, reason)
+    v = reg.approve(version, who, reason, override_gate=override_gate)
     console.print(f"approved and promoted {reg.model_name} v{v} to champion")
 
 
@@ -201,11 +210,18 @@ def registry_register(
 
 @registry_app.command("promote")
 @registry_command(events=EVENTS)
-def registry_promote(reg, version: VersionArg, reason: ReasonOpt, who: WhoOpt = None) -> None:
-    """Make a version champion; the old champion becomes previous_champion."""
-    ev = reg.promote(version, who, reason)
+def registry_promote(
+    reg, version: VersionArg, reason: ReasonOpt, who: WhoOpt = None, override_gate: OverrideOpt = False
+) -> None:
+    """Make a version champion; the old champion becomes previous_champion. A version the shadow
+    gate rejected needs --override-gate: the override and its reason are recorded."""
+    ev = reg.promote(version, who, reason, override_gate=override_gate)
     old = f" (was v{ev.replaced_version})" if ev.replaced_version else ""
-    console.print(f"{reg.model_name} champion is now v{ev.version}{old}")
+    from adaflash.registry.versions import OVERRIDE_REASON
+
+    overrode = ev.reason.startswith(OVERRIDE_REASON)
+    note = " — a manual override of the gate, recorded with its reason" if overrode else ""
+    console.print(f"{reg.model_name} champion is now v{ev.version}{old}{note}")
 
 
 @registry_app.command("rollback")

@@ -83,17 +83,27 @@ def demo(
         Path | None,
         typer.Option(help="drafter dir (default: the shipped drafters/smollm2; tiny: a quick one)"),
     ] = None,
-    requests: Annotated[int, typer.Option(help="chat requests of demo traffic")] = 48,
-    max_tokens: Annotated[int, typer.Option(help="tokens per answer")] = 64,
-    epochs: Annotated[int, typer.Option(help="pipeline training epochs")] = 2,
+    requests: Annotated[int | None, typer.Option(help="chat requests of demo traffic (default 160)")] = None,
+    focus_domain: Annotated[
+        str | None, typer.Option(help="the domain traffic shifts to: math | code (default code)")
+    ] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="tokens per answer (default 64)")] = None,
+    epochs: Annotated[
+        int | None, typer.Option(help="training epochs over the new records (2 records a step) (default 1)")
+    ] = None,
+    heldout_per_domain: Annotated[
+        int | None, typer.Option(help="held-out records per domain for the gate (default 24)")
+    ] = None,
     home: Annotated[Path, typer.Option(help="the demo's own stack state (wiped first)")] = Path(
         ".adaflash/demo"
     ),
 ) -> None:
-    """The whole loop once: traffic → governance → pipeline → promotion → reload → lineage → rollback.
+    """The whole loop once: traffic → governance → pipeline → gate → reload → served v1 vs v2 →
+    lineage → rollback. Writes HOME/scenario.json.
 
     Serves the drafter that ships in git; it never trains one on the fly (a loaded machine would
-    only make that slower, never different)."""
+    only make that slower, never different). The gate decides on its evidence; the demo never
+    overrides it (a rejected challenger stays unpromoted, and the demo says why)."""
     from adaflash.ops.demo import Scenario, ScenarioConfig
 
     setup_torch()
@@ -106,8 +116,10 @@ def demo(
             f"no drafter at {drafter}: a checkout ships drafters/smollm2 (git status shows whether it "
             "was deleted); `make bootstrap` rebuilds it"
         )
+    given = {"requests": requests, "focus_domain": focus_domain, "max_tokens": max_tokens, "epochs": epochs,
+             "heldout_per_domain": heldout_per_domain}  # fmt: skip
     cfg = ScenarioConfig(
-        target=target, drafter=drafter, home=home, requests=requests, max_tokens=max_tokens, epochs=epochs
+        target=target, drafter=drafter, home=home, **{k: v for k, v in given.items() if v is not None}
     )
     Scenario(cfg, console).run()
 

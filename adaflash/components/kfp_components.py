@@ -16,14 +16,19 @@ from adaflash.components.cluster import IMAGE
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def ingest_op(
-    governance_dir: str, min_records: int, heldout_fraction: float, snapshot: Output[Dataset]
+    governance_dir: str,
+    min_records: int,
+    heldout_fraction: float,
+    heldout_per_domain: int,
+    snapshot: Output[Dataset],
 ) -> int:
     """Clean records no version trained on → train/held-out snapshot with lineage."""
     from pathlib import Path
 
     from adaflash.components.steps import ingest
 
-    snap = ingest(Path(governance_dir), min_records=min_records, heldout_fraction=heldout_fraction)
+    snap = ingest(Path(governance_dir), min_records=min_records, heldout_fraction=heldout_fraction,
+                  heldout_per_domain=heldout_per_domain)  # fmt: skip
     snap.save(Path(snapshot.path))
     snapshot.metadata.update(snap.summary())
     return len(snap.train)
@@ -107,9 +112,11 @@ def shadow_eval_op(
     challenger: Input[Model],
     concurrency: int,
     max_new_tokens: int,
+    gamma: float,
     min_gain: float,
     max_domain_regression: float,
     gate_metric: str,
+    gate_min_records: int,
     report: Output[Artifact],
     metrics: Output[Metrics],
 ) -> str:
@@ -117,15 +124,17 @@ def shadow_eval_op(
     import json
     from pathlib import Path
 
-    from adaflash.components.steps import GatePolicy, Snapshot, shadow_gate
+    from adaflash.components.gate import GatePolicy
+    from adaflash.components.steps import Snapshot, shadow_gate
     from adaflash.models.targets import load_target
 
-    policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric)
+    policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric,
+                        min_records=gate_min_records)  # fmt: skip
     held = Snapshot.load(Path(snapshot.path)).heldout
     # On the CPU even on its GPU node: the serving engine it measures creates its tensors on the
     # CPU (only training is device-clean so far, tests/test_device.py).
     shadow = shadow_gate(load_target(target), held, Path(champion.path), Path(challenger.path), policy,
-                         concurrency, max_new_tokens)  # fmt: skip
+                         concurrency, max_new_tokens, gamma)  # fmt: skip
     Path(report.path).write_text(json.dumps(shadow.to_dict()))
     for name, value in shadow.metrics().items():
         metrics.log_metric(name, value)
@@ -152,7 +161,7 @@ def register_op(
 
     return register(target, tracking_uri, bootstrap_servers, Path(governance_dir), gate_mode, decision,
                     Snapshot.load(Path(snapshot.path)), Path(challenger.path),
-                    json.loads(Path(report.path).read_text()))  # fmt: skip
+                    json.loads(Path(report.path).read_text()), dict(challenger.metadata))  # fmt: skip
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)

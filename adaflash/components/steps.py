@@ -5,10 +5,10 @@
   train        warm-start from the champion, OPD (or a baseline) on the snapshot → challenger dir;
                `train_process` is the same as a process of its own (one rank of a torchrun launch)
   shadow_gate  challenger vs champion on the held-out records (served on the engine, same prompts, one
-               AR reference), then `gate`: promote only when the challenger wins by a margin
-               and no domain regresses
-  register     the challenger as a registry version with its lineage and shadow metrics; its
-               records marked trained in the lineage store
+               AR reference), then `gate` (components/gate.py): promote only when a paired
+               bootstrap interval of the per-record τ gain clears the bar and no domain regresses
+  register     the challenger as a registry version with its lineage, shadow metrics and the
+               gate's intervals; its records marked trained in the lineage store
   promote      auto-promotion of a winning challenger
   record_run   the exit handler's line in the pipeline run log
 
@@ -22,10 +22,11 @@ import json
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from adaflash.components.gate import GateDecision, GatePolicy, gate
 from adaflash.errors import AdaFlashError
 from adaflash.feedback.schema import CleanRecord
 from adaflash.governance.buffer import ReplayBuffer
@@ -73,12 +74,19 @@ class NotEnoughData(AdaFlashError):
 
 
 def ingest(
-    governance_dir: Path, min_records: int = 128, heldout_fraction: float = 0.2, seed: int = 0
+    governance_dir: Path,
+    min_records: int = 128,
+    heldout_fraction: float = 0.2,
+    seed: int = 0,
+    heldout_per_domain: int = 0,
 ) -> Snapshot:
     """Every clean shard no drafter version has trained on; records split by a seeded shuffle.
 
     Held-out records are as recent as the training ones and never trained on, so the shadow
-    evaluation sees the traffic the fleet is serving now.
+    evaluation sees the traffic the fleet is serving now. `heldout_per_domain` > 0 holds out that
+    many records of each domain (at most half of a domain's records, so each still trains on
+    some) instead of `heldout_fraction` of all: the gate's evidence per domain is then a stated
+    count, not whatever share of a small domain a fraction happens to give.
     """
     store = LineageStore(governance_dir / "lineage.sqlite")
     try:
@@ -91,8 +99,17 @@ def ingest(
         raise NotEnoughData(f"{len(records)} new clean records; a run needs at least {min_records}")
     records.sort(key=lambda r: r.record.record_id)
     random.Random(seed).shuffle(records)
-    n_held = max(1, int(len(records) * heldout_fraction))
-    heldout, train = records[:n_held], records[n_held:]
+    if heldout_per_domain > 0:
+        by_domain: dict[str, list[CleanRecord]] = defaultdict(list)
+        for r in records:
+            by_domain[r.record.domain or "unknown"].append(r)
+        held_ids = {r.record.record_id for recs in by_domain.values()
+                    for r in recs[: min(heldout_per_domain, len(recs) // 2)]}  # fmt: skip
+        heldout = [r for r in records if r.record.record_id in held_ids]
+        train = [r for r in records if r.record.record_id not in held_ids]
+    else:
+        n_held = max(1, int(len(records) * heldout_fraction))
+        heldout, train = records[:n_held], records[n_held:]
     tenants = sorted({r.record.tenant_id for r in records})
     offsets: dict[str, list[int]] = {}
     for r in records:
@@ -103,6 +120,8 @@ def ingest(
         "records": len(records),
         "train_records": len(train),
         "heldout_records": len(heldout),
+        "heldout_by_domain": _count_domains(heldout),
+        "train_by_domain": _count_domains(train),
         "train_record_ids": sorted(r.record.record_id for r in train),
         "tenants": tenants,
         "offsets": offsets,
@@ -111,51 +130,14 @@ def ingest(
     return Snapshot(train, heldout, [s["shard_id"] for s in shards], lineage)
 
 
+def _count_domains(records: list[CleanRecord]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for r in records:
+        out[r.record.domain or "unknown"] += 1
+    return dict(sorted(out.items()))
+
+
 LOSSES = ("opd", "osd", "fkl")  # online training objectives (training/online.py)
-GATE_METRICS = ("tau_full", "tau", "tps")  # what GatePolicy.metric may name
-GATE_MODES = ("auto", "manual")  # manual: a winner waits, pending approval, for a person
-
-
-@dataclass(frozen=True)
-class GatePolicy:
-    min_gain: float = 0.02  # the challenger's `metric` must beat the champion's by this fraction
-    max_domain_regression: float = 0.02  # no domain's metric or served τ may drop by more than this
-    # "tau_full": acceptance over the full block (uncensored, DESIGN §1) — the drafter's quality
-    # even while the length head still verifies k̂ = 1 and the served τ cannot move yet; the served
-    # τ is then guarded against regression. "tau" (served) or "tps" gate on serving directly.
-    metric: str = "tau_full"
-    # A domain with fewer held-out records than this cannot veto a promotion on its own: a τ over
-    # three prompts moves by more than the tolerance from one prompt's luck. It still counts in "all".
-    min_domain_records: int = 5
-
-
-@dataclass
-class GateDecision:
-    promote: bool
-    reasons: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def gate(champion: dict, challenger: dict, policy: GatePolicy = GatePolicy()) -> GateDecision:
-    """Compare two `shadow_eval` reports (per-domain dicts with "all")."""
-    reasons = []
-    if not challenger.get("lossless", False):
-        reasons.append("challenger outputs differ from the target's greedy outputs")
-    m = policy.metric
-    base, new = champion["domains"]["all"][m], challenger["domains"]["all"][m]
-    if new < base * (1 + policy.min_gain):
-        reasons.append(f"{m} {new:.3f} does not beat the champion's {base:.3f} by {policy.min_gain:.0%}")
-    tol = 1 - policy.max_domain_regression
-    for dom, row in challenger["domains"].items():
-        old = champion["domains"].get(dom)
-        if not old or (dom != "all" and row.get("n", policy.min_domain_records) < policy.min_domain_records):
-            continue
-        for key in dict.fromkeys((m, "tau")):
-            if (dom != "all" or key != m) and row[key] < old[key] * tol:
-                reasons.append(f"domain {dom}: {key} {row[key]:.3f} regresses from {old[key]:.3f}")
-    return GateDecision(not reasons, reasons or [f"{m} {new:.3f} vs champion {base:.3f}"])
 
 
 def shadow_eval(
@@ -165,13 +147,17 @@ def shadow_eval(
     concurrency: int = 8,
     max_new_tokens: int = 64,
     reference: dict[str, list[int]] | None = None,
+    gamma: float = 1.0,
 ) -> dict:
     """Serve the held-out prompts with `drafter_dir` (adaflash, T=0) on the serving engine at
     `concurrency` (continuous batching, as served), one domain at a time, and report per domain:
-    τ, mean k̂, target-verified tokens per output token, serving TPS, the length head's calibration
-    error against the uncensored label, τ over the full block (`tau_full`), and whether outputs
-    equal the AR reference (lossless check; `reference` maps record id → AR token ids, computed on
-    the same engine if missing).
+    τ, mean k̂, target-verified tokens per output token, serving TPS (wall clock, and per CPU-second
+    of this process: time slicing on a shared machine does not move it), the length head's
+    calibration error against the uncensored label, τ over the full block (`tau_full`), and
+    whether outputs equal the AR reference (lossless check; `reference` maps record id → AR token
+    ids, computed on the same engine if missing). `records` holds each record's served and
+    full-block τ: what the gate pairs between two drafters. `gamma`: the fleet's k̂ = ⌊γ·â·k⌋, so
+    the served τ is the one the fleet would serve.
     """
     from adaflash.models.checkpoint import load_drafter_for
 
@@ -180,21 +166,38 @@ def shadow_eval(
     if reference is None:
         reference = ar_reference(target, prompts, concurrency, max_new_tokens)
     acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    records: dict[str, dict] = {}
     lossless = True
     for dom in sorted({d for _, d, _ in prompts}):
         chunk = [p for p in prompts if p[1] == dom]
-        results, seconds = serve_greedy(target, bundle, "adaflash", chunk, concurrency, max_new_tokens)
-        for (rid, _, _), res in zip(chunk, results, strict=True):
+        served = serve_greedy(target, bundle, "adaflash", chunk, concurrency, max_new_tokens, gamma)
+        for (rid, _, _), res in zip(chunk, served.requests, strict=True):
             lossless &= res.output_ids == reference[rid]
+            gained = sum(r.accepted + 1 for r in res.rounds)
+            records[rid] = {"domain": dom, "tokens": len(res.output_ids), "rounds": len(res.rounds),
+                            "tau": gained / max(len(res.rounds), 1)}  # fmt: skip
             for key in (dom, "all"):
                 a = acc[key]
                 a["n"] += 1
                 a["tokens"] += len(res.output_ids)
                 a["rounds"] += len(res.rounds)
-                a["gained"] += sum(r.accepted + 1 for r in res.rounds)
+                a["gained"] += gained
                 a["verified"] += sum(r.verify_len for r in res.rounds)
         for key in (dom, "all"):
-            acc[key]["seconds"] += seconds
+            acc[key]["seconds"] += served.seconds
+            acc[key]["cpu_seconds"] += served.cpu_seconds
+    # Served rounds are censored by k̂; calibrate against the full block's acceptance instead, by
+    # replaying the drafter on the (lossless) greedy continuations.
+    for rec, seq in zip(heldout, calibration(target, bundle, heldout, reference, gamma), strict=True):
+        row = records[rec.record.record_id]
+        row["tau_full"] = seq.tau_full
+        a = acc[row["domain"]], acc["all"]
+        for x in a:
+            x["full_tokens"] += seq.full_tokens
+            x["full_rounds"] += seq.full_rounds
+            if seq.head_rounds is not None:
+                x["head_abs_err"] += seq.head_abs_err
+                x["head_rounds"] += seq.head_rounds
     domains = {
         d: {
             "n": int(a["n"]),
@@ -202,47 +205,57 @@ def shadow_eval(
             "mean_verify_len": a["verified"] / max(a["rounds"], 1),
             "verified_per_output_token": a["verified"] / max(a["tokens"], 1),
             "tps": a["tokens"] / max(a["seconds"], 1e-9),
+            "tokens_per_cpu_s": a["tokens"] / max(a["cpu_seconds"], 1e-9),
+            "tau_full": a["full_tokens"] / max(a["full_rounds"], 1),
+            "calibration_error": a["head_abs_err"] / a["head_rounds"] if a["head_rounds"] else None,
         }
         for d, a in acc.items()
     }
-    # Served rounds are censored by k̂; calibrate against the full block's acceptance instead, by
-    # replaying the drafter on the (lossless) greedy continuations.
-    calib = calibration(target, bundle, heldout, reference)
-    for d, row in domains.items():
-        row["calibration_error"] = calib.get(d, {}).get("length_head_mae")
-        row["tau_full"] = calib.get(d, {}).get("dflash_tau")
-    return {"drafter": str(drafter_dir), "concurrency": concurrency, "lossless": lossless, "domains": domains}
+    return {"drafter": str(drafter_dir), "concurrency": concurrency, "gamma": gamma, "lossless": lossless,
+            "domains": domains, "records": records}  # fmt: skip
 
 
-def calibration(target, bundle, heldout: list[CleanRecord], reference: dict[str, list[int]]) -> dict:
+def calibration(
+    target, bundle, heldout: list[CleanRecord], reference: dict[str, list[int]], gamma: float = 1.0
+) -> list:
+    """Per held-out record (in order), the drafter's replayed rounds on the greedy continuation:
+    full-block τ and the length head's |â − a*| (`training.evaluate.SequenceAcceptance`)."""
     from adaflash.training.blocks import sequence_pass
-    from adaflash.training.evaluate import evaluate_acceptance
+    from adaflash.training.evaluate import acceptance_per_sequence
 
     seqs = [r.record.prompt_token_ids + reference[r.record.record_id] for r in heldout]
     ids = bundle.drafter.config.target_layer_ids
     passes = [p for i in range(0, len(seqs), 8) for p in sequence_pass(target.model, seqs[i : i + 8], ids)]
     starts = [len(r.record.prompt_token_ids) for r in heldout]
-    domains = [r.record.domain or "unknown" for r in heldout]
-    return evaluate_acceptance(bundle.drafter, target.model, passes, starts, domains, bundle.length_head)
+    return acceptance_per_sequence(bundle.drafter, target.model, passes, starts, bundle.length_head, gamma)
 
 
-def serve_greedy(target, bundle, method: str, prompts, concurrency: int, max_new_tokens: int):
-    """(finished requests in prompt order, wall seconds): greedy decoding of (id, domain, prompt
-    ids) on the serving engine with `concurrency` slots — what serving would do with them."""
+@dataclass
+class Served:
+    requests: list  # finished engine Requests, in prompt order
+    seconds: float  # wall clock
+    cpu_seconds: float  # this process's CPU time over the same span
+
+
+def serve_greedy(
+    target, bundle, method: str, prompts, concurrency: int, max_new_tokens: int, gamma: float = 1.0
+) -> Served:
+    """Greedy decoding of (id, domain, prompt ids) on the serving engine with `concurrency`
+    slots — what serving would do with them."""
     from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 
     queue = max(len(prompts), 1)
-    cfg = EngineConfig(method=method, max_running=concurrency, max_queue=queue, calibrate=False)
+    cfg = EngineConfig(method=method, gamma=gamma, max_running=concurrency, max_queue=queue, calibrate=False)
     engine = Engine(target, bundle, cfg, "shadow")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     reqs = [engine.submit(Request(list(p), GenParams(max_tokens=max_new_tokens))) for _, _, p in prompts]
     engine.run_until_idle()
-    return reqs, time.perf_counter() - t0
+    return Served(reqs, time.perf_counter() - t0, time.process_time() - cpu0)
 
 
 def ar_reference(target, prompts, concurrency: int, max_new_tokens: int) -> dict[str, list[int]]:
-    reqs, _ = serve_greedy(target, None, "ar", prompts, concurrency, max_new_tokens)
-    return {rid: r.output_ids for (rid, _, _), r in zip(prompts, reqs, strict=True)}
+    served = serve_greedy(target, None, "ar", prompts, concurrency, max_new_tokens)
+    return {rid: r.output_ids for (rid, _, _), r in zip(prompts, served.requests, strict=True)}
 
 
 def prompts_of(records: list[CleanRecord]) -> list[tuple[str, str, list[int]]]:
@@ -260,14 +273,27 @@ class ShadowReport:
         return {"champion": self.champion, "challenger": self.challenger, "gate": self.decision.to_dict()}
 
     def metrics(self) -> dict[str, float]:
-        """The challenger's headline numbers per domain, each beside the champion's (KFP Metrics)."""
+        """The challenger's headline numbers per domain, each beside the champion's, and the
+        gate's intervals (KFP Metrics)."""
         out = {}
         for dom, row in self.challenger["domains"].items():
             old = self.champion["domains"].get(dom, row)
-            for k in ("tau", "tau_full", "mean_verify_len", "tps"):
+            for k in ("tau", "tau_full", "mean_verify_len", "tps", "tokens_per_cpu_s"):
                 out[f"{dom}.{k}"] = round(float(row[k]), 4)
                 out[f"{dom}.{k}.champion"] = round(float(old[k]), 4)
+        for key, row in gate_summary(self.decision.to_dict()).items():
+            for k, v in row.items():
+                out[f"gate.{key}.{k}"] = round(float(v), 4)
         return out
+
+
+def gate_summary(decision: dict) -> dict[str, dict[str, float]]:
+    """A GateDecision's dict → {"<metric>.<domain>": n, gain, low, high, and promote (1/0) under
+    "decision"}: the intervals as KFP Metrics and the registry store them."""
+    out: dict[str, dict[str, float]] = {"decision": {"promote": float(decision["promote"])}}
+    for iv in decision["intervals"]:
+        out[f"{iv['metric']}.{iv['domain']}"] = {k: iv[k] for k in ("n", "gain", "low", "high")}
+    return out
 
 
 def shadow_gate(
@@ -278,11 +304,12 @@ def shadow_gate(
     policy: GatePolicy,
     concurrency: int = 8,
     max_new_tokens: int = 64,
+    gamma: float = 1.0,
 ) -> ShadowReport:
     """Shadow-evaluate both drafters against one AR reference, then gate the challenger."""
     ref = ar_reference(target, prompts_of(heldout), concurrency, max_new_tokens)
-    old = shadow_eval(target, champion_dir, heldout, concurrency, max_new_tokens, ref)
-    new = shadow_eval(target, challenger_dir, heldout, concurrency, max_new_tokens, ref)
+    old = shadow_eval(target, champion_dir, heldout, concurrency, max_new_tokens, ref, gamma)
+    new = shadow_eval(target, challenger_dir, heldout, concurrency, max_new_tokens, ref, gamma)
     return ShadowReport(old, new, gate(old, new, policy))
 
 
@@ -340,7 +367,10 @@ def train(
     trainer = OnlineTrainer(target, bundle, out, cfg, data_parallel=data_parallel)
     metrics = trainer.train(snapshot.train, lineage=lineage)
     world = data_parallel.world_size if data_parallel else 1
-    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"], "workers": world}
+    # The budget as it ran, in steps: what a reader of the registry compares across versions.
+    return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"],
+            "records": metrics["records"], "epochs": cfg.epochs, "steps": metrics["steps"],
+            "lr": cfg.lr, "workers": world}  # fmt: skip
 
 
 def train_process(
@@ -373,10 +403,12 @@ def register(
     snapshot: Snapshot,
     challenger_dir: Path,
     shadow: dict,
+    training: dict | None = None,
 ) -> str:
-    """Register the challenger with its lineage and shadow metrics (`shadow`: a ShadowReport's
-    dict) — pending approval when the gate said promote in manual mode — and mark its records
-    trained in the lineage store."""
+    """Register the challenger with its lineage, shadow metrics and the gate's intervals (`shadow`:
+    a ShadowReport's dict, also logged whole as the run's `shadow_report.json`) — pending approval
+    when the gate said promote in manual mode — and mark its records trained in the lineage store.
+    `training`: the train step's summary (records, epochs, steps, ...), logged as `train.*` metrics."""
     from datetime import UTC, datetime
 
     lineage = {
@@ -385,13 +417,18 @@ def register(
         "tenants": snapshot.lineage["tenants"],
         "offsets": snapshot.lineage["offsets"],
         "train_record_ids": snapshot.lineage["train_record_ids"],
+        "heldout_records": snapshot.lineage["heldout_records"],
+        "heldout_by_domain": snapshot.lineage.get("heldout_by_domain", {}),
     }
-    metrics = {"shadow": shadow["challenger"]["domains"], "champion": shadow["champion"]["domains"]}
+    metrics = {"shadow": shadow["challenger"]["domains"], "champion": shadow["champion"]["domains"],
+               "gate": gate_summary(shadow["gate"]), "train": training or {}}  # fmt: skip
     with _registry(target, tracking_uri, bootstrap_servers) as reg:
         version = reg.register(
             challenger_dir,
             lineage=lineage,
             metrics=metrics,
+            reports={"shadow_report": shadow},  # per-record τ of both drafters, intervals, policy
+            gate=(decision, "; ".join(shadow["gate"]["reasons"])),
             reason=f"pipeline run: shadow gate said {decision}: {'; '.join(shadow['gate']['reasons'])}",
             pending_approval=(gate_mode == "manual" and decision == "promote"),
         )

@@ -22,6 +22,7 @@ from typing import Literal
 from kfp import compiler, dsl, kubernetes
 
 from adaflash.components.cluster import GPU_NODE_SELECTOR, GPU_RESOURCE, GPU_TOLERATION, VOLUMES
+from adaflash.components.gate import GATE_METRICS, GATE_MODES
 from adaflash.components.kfp_components import (
     champion_op,
     ingest_op,
@@ -32,7 +33,7 @@ from adaflash.components.kfp_components import (
     train_job_op,
     train_op,
 )
-from adaflash.components.steps import GATE_METRICS, GATE_MODES, LOSSES
+from adaflash.components.steps import LOSSES
 
 PIPELINE_NAME = "adaflash-continual-training"
 Profile = Literal["local", "production"]
@@ -98,9 +99,11 @@ def _build(profile: Profile):
             challenger=challenger,
             concurrency=p["concurrency"],
             max_new_tokens=p["max_new_tokens"],
+            gamma=p["gamma"],
             min_gain=p["min_gain"],
             max_domain_regression=p["max_domain_regression"],
             gate_metric=p["gate_metric"],
+            gate_min_records=p["gate_min_records"],
         )
         reg = register_op(
             target=p["target"],
@@ -124,7 +127,7 @@ def _build(profile: Profile):
                     tracking_uri=p["tracking_uri"],
                     bootstrap_servers=p["bootstrap_servers"],
                     version=reg.output,
-                    reason="shadow evaluation: beat the champion by the configured margin",
+                    reason="shadow evaluation: the gate's paired bootstrap interval cleared the bar",
                 )
                 _kafka_client(promoted)
 
@@ -137,6 +140,7 @@ def _build(profile: Profile):
                 governance_dir=p["governance_dir"],
                 min_records=p["min_records"],
                 heldout_fraction=p["heldout_fraction"],
+                heldout_per_domain=p["heldout_per_domain"],
             )
             champ = champion_op(
                 target=p["target"], tracking_uri=p["tracking_uri"], fallback_dir=p["fallback_drafter"]
@@ -182,6 +186,7 @@ def _build(profile: Profile):
             bootstrap_servers: str = "",
             min_records: int = 128,
             heldout_fraction: float = 0.2,
+            heldout_per_domain: int = 0,
             loss: str = "opd",
             epochs: int = 2,
             lr: float = 3e-4,
@@ -189,9 +194,11 @@ def _build(profile: Profile):
             grad_accum: int = 2,
             concurrency: int = 8,
             max_new_tokens: int = 64,
-            min_gain: float = 0.02,
+            gamma: float = 1.0,
+            min_gain: float = 0.0,
             max_domain_regression: float = 0.02,
             gate_metric: str = "tau_full",
+            gate_min_records: int = 16,
             gate_mode: str = "auto",
         ):
             body(locals())
@@ -207,6 +214,7 @@ def _build(profile: Profile):
         bootstrap_servers: str = "",
         min_records: int = 128,
         heldout_fraction: float = 0.2,
+        heldout_per_domain: int = 0,
         loss: str = "opd",
         epochs: int = 2,
         lr: float = 3e-4,
@@ -214,9 +222,11 @@ def _build(profile: Profile):
         grad_accum: int = 2,  # records per optimiser step: the global batch, whatever the worker count
         concurrency: int = 8,
         max_new_tokens: int = 64,
-        min_gain: float = 0.02,
+        gamma: float = 1.0,
+        min_gain: float = 0.0,
         max_domain_regression: float = 0.02,
         gate_metric: str = "tau_full",
+        gate_min_records: int = 16,
         gate_mode: str = "auto",
         # A window of more training records than this trains data-parallel. Set it to what one GPU
         # trains within the schedule's budget (not measured here: these machines have no GPU).

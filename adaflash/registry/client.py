@@ -45,14 +45,19 @@ from adaflash.registry.versions import (
     CHALLENGER,
     CHAMPION,
     DRAFTER_ARTIFACT,
+    OVERRIDE_REASON,
     PENDING,
     PREVIOUS_CHAMPION,
+    REJECT,
     REQUIRED_FILES,
     SUPERSEDED,
     T_ACTION,
     T_APPROVAL,
     T_CODE,
     T_FINGERPRINT,
+    T_GATE,
+    T_GATE_OVERRIDE,
+    T_GATE_REASON,
     T_REPLACED,
     T_STATUS,
     ActionRecord,
@@ -160,8 +165,13 @@ class RegistryClient(RegistryReader):
         reason: str = "registered by the training pipeline",
         as_challenger: bool = True,
         pending_approval: bool = False,
+        reports: dict[str, dict] | None = None,
+        gate: tuple[str, str] | None = None,
     ) -> str:
-        """Log `drafter_dir` as a new model version; returns its version string."""
+        """Log `drafter_dir` as a new model version; returns its version string. `reports` are
+        logged beside it as `<name>.json` run artifacts (e.g. the shadow gate's full report);
+        `gate` = (decision, reason) of the shadow gate, tagged on the version: `promote` refuses
+        a rejected version unless the promotion is a recorded override."""
         d = Path(drafter_dir)
         missing = [f for f in REQUIRED_FILES if not (d / f).is_file()]
         if missing:
@@ -200,6 +210,8 @@ class RegistryClient(RegistryReader):
             run_id = run.info.run_id
             self._client.log_artifacts(run_id, str(d), DRAFTER_ARTIFACT)
             self._client.log_dict(run_id, lin.model_dump(mode="json"), "lineage.json")
+            for name, body in (reports or {}).items():
+                self._client.log_dict(run_id, body, f"{name}.json")
             ts = int(now_utc().timestamp() * 1000)
             numeric = [Metric(k, float(v), ts, 0) for k, v in flat.items() if isinstance(v, int | float)]
             if numeric:
@@ -216,6 +228,8 @@ class RegistryClient(RegistryReader):
             }
             if pending_approval:
                 tags[T_APPROVAL] = PENDING
+            if gate is not None:
+                tags[T_GATE], tags[T_GATE_REASON] = gate[0], clip_tag(gate[1])
             mv = self._client.create_model_version(
                 self.model_name,
                 source=f"{run.info.artifact_uri}/{DRAFTER_ARTIFACT}",
@@ -238,14 +252,23 @@ class RegistryClient(RegistryReader):
                          run_id=run_id)  # fmt: skip
         return version
 
-    def promote(self, ref: str | int, who: str | None = None, reason: str = "") -> DrafterEvent:
-        """Make `ref` the champion; the old champion becomes previous_champion."""
+    def promote(
+        self, ref: str | int, who: str | None = None, reason: str = "", *, override_gate: bool = False
+    ) -> DrafterEvent:
+        """Make `ref` the champion; the old champion becomes previous_champion.
+
+        A version the shadow gate rejected is promoted only with `override_gate` and a reason: the
+        override is a person's decision against the evidence, so it is tagged on the version
+        (`adaflash.gate_override`) and its reason says so in the history and the event."""
         who = who or default_who()
         version = self.resolve(ref)
         with self._mlflow("promote"):
             mv = self._model_version(version)
             if mv.status != "READY":
                 raise RegistryError(f"{self.model_name} v{version} is {mv.status}, not READY")
+            if self._gate_rejected(version, reason, override_gate):
+                reason = OVERRIDE_REASON + reason
+                self._set_tags(version, {T_GATE_OVERRIDE: "true"})
             aliases = self._aliases()
             old = aliases.get(CHAMPION)
             if old == version:
@@ -263,8 +286,33 @@ class RegistryClient(RegistryReader):
             self._set_tags(version, {T_STATUS: CHAMPION, T_REPLACED: old or ""})
             return self._record("promoted", version, who, reason, alias=CHAMPION, replaced=old)
 
-    def approve(self, ref: str | int, who: str | None = None, reason: str = "", promote: bool = True) -> str:
-        """Record a human approval, then promote the version; returns the version."""
+    def _gate_rejected(self, version: str, reason: str, override_gate: bool) -> bool:
+        """True when the shadow gate rejected `version` and this is a valid override; raises when
+        it rejected it and this is no override, or an override without a reason."""
+        tags = self._model_version(version).tags
+        if tags.get(T_GATE) != REJECT:
+            return False
+        if not override_gate:
+            raise RegistryError(
+                f"{self.model_name} v{version} was rejected by the shadow gate "
+                f"({tags.get(T_GATE_REASON) or 'no reason recorded'}); promoting it anyway is an "
+                "override: pass --override-gate with a --reason"
+            )
+        if not reason.strip():
+            raise RegistryError(f"overriding the shadow gate's reject of v{version} needs a reason")
+        return True
+
+    def approve(
+        self,
+        ref: str | int,
+        who: str | None = None,
+        reason: str = "",
+        promote: bool = True,
+        *,
+        override_gate: bool = False,
+    ) -> str:
+        """Record a human approval, then promote the version (see `promote` for a version the
+        gate rejected); returns the version."""
         who = who or default_who()
         version = self.resolve(ref)
         with self._mlflow("approve"):
@@ -277,11 +325,12 @@ class RegistryClient(RegistryReader):
                     f"{self._why_not_challenger(version, aliases)}; only the current challenger "
                     "can be approved"
                 )
+            self._gate_rejected(version, reason, override_gate)  # refuse before recording anything
             self._set_tags(version, {T_APPROVAL: APPROVED})
             alias = next((a for a, v in self._aliases().items() if v == version), None)
             self._record("approved", version, who, reason, alias=alias)
         if promote:
-            self.promote(version, who, reason)
+            self.promote(version, who, reason, override_gate=override_gate)
         return version
 
     def _why_not_challenger(self, version: str, aliases: dict) -> str:

@@ -228,6 +228,21 @@ class RegistryReader:
             # get_model_version returns aliases, but the registered model's map is the one source.
             return self._info(self._model_version(version), self._aliases())
 
+    def report(self, ref: str | int, name: str) -> dict | None:
+        """A JSON report logged with the version at registration (`register(reports=...)`), e.g.
+        the shadow gate's "shadow_report"; None when the version has none."""
+        import json
+        import tempfile
+
+        version = self.resolve(ref)
+        with self._mlflow(f"read {name} of v{version}"):
+            run_id = self._model_version(version).run_id
+            if not run_id or f"{name}.json" not in {f.path for f in self._client.list_artifacts(run_id)}:
+                return None
+            with tempfile.TemporaryDirectory() as tmp:
+                path = self._client.download_artifacts(run_id, f"{name}.json", tmp)
+                return json.loads(Path(path).read_text())
+
     def champion(self) -> str | None:
         return self._aliases().get(CHAMPION)
 

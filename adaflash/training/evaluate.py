@@ -11,7 +11,7 @@ the k̂ positions its length head keeps.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,12 @@ class WalkStats:
     verified: int = 0  # Σ k̂
     calib_abs_err: float = 0.0
     accepted_at: list[int] | None = None  # rounds whose i-th draft was accepted, i = 1..k-1
+    # Per sequence, in input order: a paired comparison of two drafters (the shadow gate's
+    # bootstrap) needs each record's τ, not only the pooled one.
+    seq_tokens: list[int] = field(default_factory=list)
+    seq_rounds: list[int] = field(default_factory=list)
+    seq_verified: list[int] = field(default_factory=list)
+    seq_calib_abs_err: list[float] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -59,9 +65,13 @@ def _walk(
     stats = WalkStats(accepted_at=[0] * (k - 1))
     anchor = torch.tensor(starts)
     lengths = torch.tensor([s.tokens.numel() for s in seqs])
+    seq_tokens, seq_rounds, seq_verified = (torch.zeros(S, dtype=torch.long) for _ in range(3))
+    seq_err = torch.zeros(S, dtype=torch.float64)
     while True:
         alive = (anchor < lengths - 1).nonzero().squeeze(1)
         if alive.numel() == 0:
+            stats.seq_tokens, stats.seq_rounds = seq_tokens.tolist(), seq_rounds.tolist()
+            stats.seq_verified, stats.seq_calib_abs_err = seq_verified.tolist(), seq_err.tolist()
             return stats
         blocks, positions, labels = [], [], []
         for i in alive.tolist():
@@ -90,7 +100,9 @@ def _walk(
             acc[rows[hit]] += 1
             still[rows[~hit]] = False
         if head is not None:
-            stats.calib_abs_err += float((a_hat - acceptance_label(acc, k)).abs().sum())
+            err = (a_hat - acceptance_label(acc, k)).abs().double()
+            stats.calib_abs_err += float(err.sum())
+            seq_err[alive] += err
         # Like the decoder, never verify past the end of the continuation (its max_new_tokens).
         left = lengths[alive] - 1 - anchor[alive]
         limit = torch.minimum(limit, left - 1).clamp_min(0)
@@ -99,6 +111,9 @@ def _walk(
         stats.rounds += n
         stats.tokens += int((acc + 1).sum())
         stats.verified += int(verified.sum())
+        seq_tokens[alive] += acc + 1
+        seq_rounds[alive] += 1
+        seq_verified[alive] += verified
         anchor[alive] += acc + 1
 
 
@@ -165,3 +180,44 @@ def evaluate_acceptance(
         report[name] = row
     drafter.train(was_training)
     return report
+
+
+@dataclass
+class SequenceAcceptance:
+    """One sequence's replayed rounds: full block (dflash) and, with a head, the k̂ walk."""
+
+    full_tokens: int
+    full_rounds: int
+    head_tokens: int | None = None
+    head_rounds: int | None = None
+    head_verified: int | None = None
+    head_abs_err: float | None = None  # Σ |â − a*| over the k̂ walk's rounds
+
+    @property
+    def tau_full(self) -> float:
+        return self.full_tokens / max(self.full_rounds, 1)
+
+
+def acceptance_per_sequence(
+    drafter: Drafter,
+    target: TargetModel,
+    seqs: list[SequencePass],
+    starts: list[int],
+    head: LengthHead | None = None,
+    gamma: float = 1.0,
+) -> list[SequenceAcceptance]:
+    """`evaluate_acceptance`'s replay, one result per sequence (sums, so callers can pool them
+    per domain exactly as `evaluate_acceptance` does)."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        fixed = _walk(drafter, target, seqs, starts, None, gamma)
+        out = [SequenceAcceptance(t, r) for t, r in zip(fixed.seq_tokens, fixed.seq_rounds, strict=True)]
+        if head is not None:
+            ada = _walk(drafter, target, seqs, starts, head, gamma)
+            for i, row in enumerate(out):
+                row.head_tokens, row.head_rounds = ada.seq_tokens[i], ada.seq_rounds[i]
+                row.head_verified, row.head_abs_err = ada.seq_verified[i], ada.seq_calib_abs_err[i]
+    finally:
+        drafter.train(was_training)
+    return out
