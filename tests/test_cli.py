@@ -62,7 +62,7 @@ def test_generate_json_for_each_method(tiny_drafter):
         (["--target", "nonsense-model", "--method", "ar"], "unknown target"),
         (["--target", "tiny", "--drafter", "/nonexistent/dir", "--method", "dflash"], "does not exist"),
         (["--target", "tiny", "--method", "ar", "--temperature", "-0.5"], "invalid temperature"),
-        (["--target", "tiny", "--method", "ar", "--max-new-tokens", "2000"], "context window"),
+        (["--target", "tiny", "--method", "ar", "--max-new-tokens", "2000"], "per-request limit"),
         (["--target", "tiny", "--method", "dflash"], "needs --drafter"),
     ],
 )
