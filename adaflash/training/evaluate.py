@@ -29,6 +29,8 @@ class WalkStats:
     verified: int = 0  # Σ k̂
     calib_abs_err: float = 0.0
     accepted_at: list[int] | None = None  # rounds whose i-th draft was accepted, i = 1..k-1
+    seq_rounds: list[int] | None = None  # per walked sequence (one batched walk gives both)
+    seq_tokens: list[int] | None = None
 
     @property
     def tau(self) -> float:
@@ -59,9 +61,11 @@ def _walk(
     stats = WalkStats(accepted_at=[0] * (k - 1))
     anchor = torch.tensor(starts)
     lengths = torch.tensor([s.tokens.numel() for s in seqs])
+    seq_rounds, seq_tokens = torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
     while True:
         alive = (anchor < lengths - 1).nonzero().squeeze(1)
         if alive.numel() == 0:
+            stats.seq_rounds, stats.seq_tokens = seq_rounds.tolist(), seq_tokens.tolist()
             return stats
         blocks, positions, labels = [], [], []
         for i in alive.tolist():
@@ -99,6 +103,8 @@ def _walk(
         stats.rounds += n
         stats.tokens += int((acc + 1).sum())
         stats.verified += int(verified.sum())
+        seq_rounds[alive] += 1
+        seq_tokens[alive] += acc + 1
         anchor[alive] += acc + 1
 
 
@@ -132,24 +138,34 @@ def evaluate_acceptance(
     head: LengthHead | None = None,
     gamma: float = 1.0,
     ngram: bool = False,
-) -> dict[str, dict[str, float]]:
+    per_sequence: bool = False,
+) -> dict[str, dict]:
     """Per domain (and "all"): τ and mean verify length for dflash, and for adaflash if a head
-    is given, plus the head's calibration error |â − a*| and per-position acceptance; with
-    `ngram`, the prompt-lookup baseline's τ on the same continuations and block size."""
+    is given (each with the rounds and tokens behind its τ), plus the head's calibration error
+    |â − a*| and per-position acceptance; with `ngram`, the prompt-lookup baseline's τ on the
+    same continuations and block size; with `per_sequence`, each group's rounds and tokens per
+    sequence (in the group's order), e.g. for a bootstrap over sequences."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, d in enumerate(domains):
         groups[d].append(i)
     groups["all"] = list(range(len(seqs)))
-    report: dict[str, dict[str, float]] = {}
+    report: dict[str, dict] = {}
+    done: dict[tuple[int, ...], dict] = {}  # a domain that is every sequence is the "all" row
     was_training = drafter.training
     drafter.eval()
     for name, idx in groups.items():
+        if tuple(idx) in done:
+            report[name] = dict(done[tuple(idx)])
+            continue
         sub, st = [seqs[i] for i in idx], [starts[i] for i in idx]
         fixed = _walk(drafter, target, sub, st, None, gamma)
         row = {
             "n_sequences": len(idx),
             "dflash_tau": round(fixed.tau, 4),
             "dflash_mean_verify_len": round(fixed.mean_verify_len, 3),
+            # The counts behind τ: groups and resamples pool exactly as Σ tokens / Σ rounds.
+            "dflash_rounds": fixed.rounds,
+            "dflash_tokens": fixed.tokens,
             "accept_rate_by_position": [round(a / max(fixed.rounds, 1), 4) for a in fixed.accepted_at],
         }
         if ngram:
@@ -160,8 +176,14 @@ def evaluate_acceptance(
             row.update(
                 adaflash_tau=round(ada.tau, 4),
                 adaflash_mean_verify_len=round(ada.mean_verify_len, 3),
+                adaflash_rounds=ada.rounds,
+                adaflash_tokens=ada.tokens,
                 length_head_mae=round(ada.calib_abs_err / max(ada.rounds, 1), 4),
             )
-        report[name] = row
+        if per_sequence:
+            row["per_sequence"] = {"dflash_rounds": fixed.seq_rounds, "dflash_tokens": fixed.seq_tokens}
+            if head is not None:
+                row["per_sequence"] |= {"adaflash_rounds": ada.seq_rounds, "adaflash_tokens": ada.seq_tokens}
+        report[name] = done[tuple(idx)] = row
     drafter.train(was_training)
     return report
