@@ -27,11 +27,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adaflash.feedback import topics
+from adaflash.feedback.schema import CleanRecord, FeedbackRecord
 from adaflash.models.checkpoint import DrafterBundle, load_drafter_for
 from adaflash.models.targets import Target, Vocabulary
 from adaflash.workloads import Prompt, load_prompts
+
+if TYPE_CHECKING:
+    from adaflash.governance.governor import Governor
 
 LEARNERS = {"osd": ("osd", "dflash"), "adaflash": ("opd", "adaflash")}  # name -> (loss, serve method)
 
@@ -59,27 +64,34 @@ def shifted_prompts(spec: AdaptationSpec) -> list[Prompt]:
     return pool[:need]
 
 
-def _engine(target: Target, bundle: DrafterBundle | None, spec: AdaptationSpec, longest: int):
+def _engine(target: Target, bundle: DrafterBundle | None, concurrency: int, max_model_len: int):
     from adaflash.serving.engine import Engine, EngineConfig
 
     cfg = EngineConfig(
-        method="ar",
-        max_running=spec.concurrency,
-        max_model_len=longest + spec.max_new_tokens + 64,
-        step_token_budget=4096,
+        method="ar", max_running=concurrency, max_model_len=max_model_len, step_token_budget=4096
     )
     return Engine(target, bundle, cfg, drafter_version="experiment")
 
 
-def _serve(target, bundle, method: str, ids: list[list[int]], spec, tenants):
-    """One cell: returns (cell metrics, outputs, feedback records of the finished requests)."""
+def serve_records(
+    target: Target,
+    bundle: DrafterBundle | None,
+    method: str,
+    ids: list[list[int]],
+    concurrency: int,
+    max_new_tokens: int,
+    tenants: list[str],
+    domain: str,
+) -> tuple[dict, list[list[int]], list[FeedbackRecord]]:
+    """Serve `ids` greedily on the engine (`concurrency` clients) and build each finished
+    request's feedback record as serving emits it: (cell metrics, outputs, records), prompt order."""
     from adaflash.bench.serving import run_cell
     from adaflash.serving.feedback_emitter import build_record
 
-    engine = _engine(target, bundle, spec, max(len(x) for x in ids))
+    engine = _engine(target, bundle, concurrency, max(len(x) for x in ids) + max_new_tokens + 64)
     done = []
     engine.observers.append(done.append)
-    cell, outputs = run_cell(engine, ids, method, spec.concurrency, spec.max_new_tokens)
+    cell, outputs = run_cell(engine, ids, method, concurrency, max_new_tokens)
     by_prompt = {tuple(r.prompt_ids): r for r in done}
     records = []
     for i, x in enumerate(ids):
@@ -87,10 +99,34 @@ def _serve(target, bundle, method: str, ids: list[list[int]], spec, tenants):
         # run_cell submits bare token ids; the record needs what a client request would carry.
         req.prompt_text = target.tokenizer.decode(x)
         req.tenant_id = tenants[i % len(tenants)]
-        req.domain = "code"
+        req.domain = domain
         records.append(build_record(engine, req))
     cell.pop("rounds")
     return cell, outputs, records
+
+
+def govern_records(
+    gov: Governor, records: list[FeedbackRecord], first_offset: int = 0
+) -> tuple[list[CleanRecord], dict]:
+    """Run `records` through the governor as one batch of raw-topic messages (partition 0 from
+    `first_offset`) and persist it (buffer, lineage, audit): (clean records, audit summary)."""
+    from adaflash.governance.governor import Message
+
+    msgs = [
+        Message(topics.RAW, 0, first_offset + i, rec.tenant_id.encode(), rec.model_dump_json().encode())
+        for i, rec in enumerate(records)
+    ]
+    started = datetime.now(UTC)
+    out = gov.govern(msgs)
+    audit = gov.persist(out, started, producer=None)
+    return out.clean, {
+        "in": audit.n_in,
+        "clean": audit.n_clean,
+        "quarantined": audit.n_quarantined,
+        "reasons": audit.reasons,
+        "pii_entities": audit.pii_entities,
+        "scrubbed": sum(c.provenance.scrubbed for c in out.clean),  # clean records whose text changed
+    }
 
 
 def _full_block_tau(target, bundle: DrafterBundle, passes, starts) -> dict:
@@ -124,25 +160,9 @@ class _Loop:
         self.offset = 0
 
     def govern(self, records) -> dict:
-        from adaflash.governance.governor import Message
-
-        msgs = []
-        for rec in records:
-            msgs.append(
-                Message(topics.RAW, 0, self.offset, rec.tenant_id.encode(), rec.model_dump_json().encode())
-            )
-            self.offset += 1
-        started = datetime.now(UTC)
-        out = self.gov.govern(msgs)
-        audit = self.gov.persist(out, started, producer=None)
-        self.clean = out.clean
-        return {
-            "in": audit.n_in,
-            "clean": audit.n_clean,
-            "quarantined": audit.n_quarantined,
-            "reasons": audit.reasons,
-            "pii_entities": audit.pii_entities,
-        }
+        self.clean, summary = govern_records(self.gov, records, self.offset)
+        self.offset += len(records)
+        return summary
 
     def train(self, round_no: int, spec: AdaptationSpec) -> dict:
         from adaflash.training.online import OnlineConfig, OnlineTrainer
@@ -172,13 +192,14 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
     scrubber = PiiScrubber()
     loops = [_Loop(n, target, bootstrap, work, scrubber) for n in spec.learners]
     tenants = [f"tenant-{i}" for i in range(spec.tenants)]
+    serving = (spec.concurrency, spec.max_new_tokens, tenants, "code")
     rows = []
     for r in range(spec.rounds):
         batch = prompts[r * spec.per_round : (r + 1) * spec.per_round]
         ids = [target.tokenizer.chat_prompt(p.text) for p in batch]
         row: dict = {"round": r, "prompts": [p.id for p in batch], "methods": {}}
         t0 = time.perf_counter()
-        ar, ref, _ = _serve(target, None, "ar", ids, spec, tenants)
+        ar, ref, _ = serve_records(target, None, "ar", ids, *serving)
         # One target pass over the served continuations scores every drafter's full block.
         seqs = [x + o for x, o in zip(ids, ref, strict=True)]
         passes = [
@@ -188,7 +209,7 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
         cells_out: dict[str, dict] = {}
         cells = [("dflash", fixed, "dflash", None)] + [(lp.name, lp.bundle, lp.method, lp) for lp in loops]
         for name, bundle, method, lp in cells:
-            cell, outs, records = _serve(target, bundle, method, ids, spec, tenants)
+            cell, outs, records = serve_records(target, bundle, method, ids, *serving)
             cell.update(_full_block_tau(target, bundle, passes, starts))
             cell["lossless"] = sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref)
             cell["drafter"] = str(lp.dir if lp else bootstrap)
@@ -197,7 +218,7 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
             cells_out[name] = cell
         # AR again at the end of the round: the reference is the mean of the two cells that
         # bracket the others, so a slow spell on this shared machine does not favour anyone.
-        ar2, _, _ = _serve(target, None, "ar", ids, spec, tenants)
+        ar2, _, _ = serve_records(target, None, "ar", ids, *serving)
         ar_tps = (ar["tps"] + ar2["tps"]) / 2
         row["methods"] = {"ar": {**ar, "tps": ar_tps, "tps_cells": [ar["tps"], ar2["tps"]], "tps_vs_ar": 1.0}}
         row["methods"].update(cells_out)

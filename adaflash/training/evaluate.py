@@ -147,24 +147,34 @@ def evaluate_acceptance(
     head: LengthHead | None = None,
     gamma: float = 1.0,
     ngram: bool = False,
-) -> dict[str, dict[str, float]]:
+    per_sequence: bool = False,
+) -> dict[str, dict]:
     """Per domain (and "all"): τ and mean verify length for dflash, and for adaflash if a head
-    is given, plus the head's calibration error |â − a*| and per-position acceptance; with
-    `ngram`, the prompt-lookup baseline's τ on the same continuations and block size."""
+    is given (each with the rounds and tokens behind its τ), plus the head's calibration error
+    |â − a*| and per-position acceptance; with `ngram`, the prompt-lookup baseline's τ on the
+    same continuations and block size; with `per_sequence`, each group's rounds and tokens per
+    sequence (in the group's order), e.g. for a bootstrap over sequences."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, d in enumerate(domains):
         groups[d].append(i)
     groups["all"] = list(range(len(seqs)))
-    report: dict[str, dict[str, float]] = {}
+    report: dict[str, dict] = {}
+    done: dict[tuple[int, ...], dict] = {}  # a domain that is every sequence is the "all" row
     was_training = drafter.training
     drafter.eval()
     for name, idx in groups.items():
+        if tuple(idx) in done:
+            report[name] = dict(done[tuple(idx)])
+            continue
         sub, st = [seqs[i] for i in idx], [starts[i] for i in idx]
         fixed = _walk(drafter, target, sub, st, None, gamma)
         row = {
             "n_sequences": len(idx),
             "dflash_tau": round(fixed.tau, 4),
             "dflash_mean_verify_len": round(fixed.mean_verify_len, 3),
+            # The counts behind τ: groups and resamples pool exactly as Σ tokens / Σ rounds.
+            "dflash_rounds": fixed.rounds,
+            "dflash_tokens": fixed.tokens,
             "accept_rate_by_position": [round(a / max(fixed.rounds, 1), 4) for a in fixed.accepted_at],
         }
         if ngram:
@@ -175,9 +185,15 @@ def evaluate_acceptance(
             row.update(
                 adaflash_tau=round(ada.tau, 4),
                 adaflash_mean_verify_len=round(ada.mean_verify_len, 3),
+                adaflash_rounds=ada.rounds,
+                adaflash_tokens=ada.tokens,
                 length_head_mae=round(ada.calib_abs_err / max(ada.rounds, 1), 4),
             )
-        report[name] = row
+        if per_sequence:
+            row["per_sequence"] = {"dflash_rounds": fixed.seq_rounds, "dflash_tokens": fixed.seq_tokens}
+            if head is not None:
+                row["per_sequence"] |= {"adaflash_rounds": ada.seq_rounds, "adaflash_tokens": ada.seq_tokens}
+        report[name] = done[tuple(idx)] = row
     drafter.train(was_training)
     return report
 
