@@ -217,7 +217,10 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
     if spec.bounds and "ar" in spec.methods:
         log("machine bounds (read bandwidth, matmul) ...")
         dom = "blend" if "blend" in prompts else spec.domains[0]
-        c1, c32 = (ours.get((dom, c, "ar"), {}).get("tps") for c in (1, 32))
+        # Decode throughput (C / TPOT P50, gpt-fast's view): prefill is neither a weight stream
+        # per output token nor counted in output tokens.
+        tpot = {c: (ours.get((dom, c, "ar")) or {}).get("tpot_s", {}).get("p50") for c in (1, 32)}
+        c1, c32 = (c / tpot[c] if tpot[c] else None for c in (1, 32))
         result["roofline"] = {"domain": dom, **roofline(target, c1, c32, machine_bounds(target.model.dtype))}
     if spec.llamacpp and "ar" in spec.methods and 1 in spec.concurrency:
         result["llamacpp"] = llamacpp_rows(target, bundle, spec, prompts, n_cell[1], ours, log)

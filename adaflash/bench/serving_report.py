@@ -76,12 +76,14 @@ def _peer_lines(result: dict) -> list[str]:
         ]
         if "ar_c1_weight_gbs" in r:
             lines.append(
-                f"Our AR at C=1 ({r['domain']}) streams {r['ar_c1_weight_gbs']:.2f} GB/s of weights: "
+                f"Our AR decoding at C=1 ({r['domain']}, 1 / TPOT P50) streams "
+                f"{r['ar_c1_weight_gbs']:.2f} GB/s of weights: "
                 f"{r['ar_c1_bandwidth_fraction']:.0%} of the bandwidth bound."
             )
         if "ar_c32_gflops" in r:
             lines.append(
-                f"Our AR at C=32 ({r['domain']}) runs {r['ar_c32_gflops']:.1f} GFLOP/s in its matmuls: "
+                f"Our AR decoding at C=32 ({r['domain']}, 32 / TPOT P50) runs "
+                f"{r['ar_c32_gflops']:.1f} GFLOP/s in its matmuls: "
                 f"{r['ar_c32_compute_fraction']:.0%} of the matmul bound."
             )
     lc = result.get("llamacpp")

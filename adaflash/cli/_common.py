@@ -34,6 +34,13 @@ PromptsDirOpt = Annotated[Path | None, typer.Option(help="prompt sets (default .
 TrackingOpt = Annotated[
     str, typer.Option("--tracking-uri", envvar="MLFLOW_TRACKING_URI", help="MLflow tracking/registry server")
 ]
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="target weights: float32 | bfloat16 (the bf16 target's own outputs: lossless against it)",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 
 
@@ -52,13 +59,18 @@ def setup_torch() -> None:
     torch.set_num_threads(int(os.environ.get("ADAFLASH_THREADS", os.cpu_count() or 2)))
 
 
-def load(target: str, drafter: Path | None):
+def load(target: str, drafter: Path | None, dtype: str = "float32"):
     """The target (weights loaded) and, given a directory, the drafter checked against it."""
+    import torch
+
+    from adaflash.errors import InputError
     from adaflash.models.checkpoint import load_drafter_for
     from adaflash.models.targets import load_target
 
+    if dtype not in ("float32", "bfloat16"):
+        raise InputError(f"--dtype {dtype!r}: choose float32 or bfloat16")
     setup_torch()
-    tgt = load_target(target)
+    tgt = load_target(target, getattr(torch, dtype))
     bundle = load_drafter_for(drafter, tgt) if drafter is not None else None
     return tgt, bundle
 

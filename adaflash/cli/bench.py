@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from adaflash.cli._common import PromptsDirOpt, TargetOpt, console, csv, load, log
+from adaflash.cli._common import DtypeOpt, PromptsDirOpt, TargetOpt, console, csv, load, log
 from adaflash.errors import InputError
 
 app = typer.Typer()
@@ -18,6 +18,7 @@ app = typer.Typer()
 @app.command()
 def compare(
     target: TargetOpt = "smollm2",
+    dtype: DtypeOpt = "float32",
     drafter: Annotated[Path, typer.Option(help="drafter dir")] = Path("drafters/smollm2"),
     prompts_per_domain: Annotated[int, typer.Option()] = 3,
     max_new_tokens: Annotated[int, typer.Option()] = 96,
@@ -25,7 +26,7 @@ def compare(
     """Compare ar / dflash / adaflash on held-out prompts with one drafter, batch 1, greedy."""
     from adaflash.bench.compare import run_comparison
 
-    tgt, bundle = load(target, drafter)
+    tgt, bundle = load(target, drafter, dtype)
     run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
 
 
@@ -33,6 +34,7 @@ def compare(
 def bench(
     out: Annotated[Path, typer.Option(help="directory for results.json/.md and plots")],
     target: TargetOpt = "smollm2",
+    dtype: DtypeOpt = "float32",
     drafter: Annotated[Path | None, typer.Option(help="drafter directory")] = None,
     methods: Annotated[str, typer.Option(help="comma-separated")] = "ar,dflash,adaflash",
     concurrency: Annotated[str, typer.Option(help="comma-separated client counts")] = "1,8,32",
@@ -74,7 +76,7 @@ def bench(
     )
     if any(m != "ar" for m in spec.methods) and drafter is None:
         raise InputError("methods other than ar need --drafter DIR")
-    tgt, bundle = load(target, drafter)
+    tgt, bundle = load(target, drafter, dtype)
     result = run_bench(tgt, bundle, spec, log=log)
     if serve_rss:
         from adaflash.workloads import interleave, load_prompts

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaflash.models.layers import GatedMLP, RMSNorm, apply_rope, rope_tables
+from adaflash.models.packed import fused_linear
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
@@ -120,8 +121,9 @@ class DrafterAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normed, rotated keys and values [B, kv_heads, T, D] for inputs x [B, T, H]."""
         B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.c.num_kv_heads, self.c.head_dim))
-        v = self.v_proj(x).view(B, T, self.c.num_kv_heads, self.c.head_dim)
+        k, v = fused_linear(self, "kv", x, self.k_proj, self.v_proj)
+        k = self.k_norm(k.view(B, T, self.c.num_kv_heads, self.c.head_dim))
+        v = v.view(B, T, self.c.num_kv_heads, self.c.head_dim)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def forward(
@@ -134,13 +136,15 @@ class DrafterAttention(nn.Module):
         mask: torch.Tensor,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.c.num_heads, self.c.head_dim))
+        q = self.q_norm(
+            fused_linear(self, "q", x, self.q_proj)[0].view(B, T, self.c.num_heads, self.c.head_dim)
+        )
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return fused_linear(self, "o", out.transpose(1, 2).reshape(B, T, -1), self.o_proj)[0]
 
 
 class DrafterLayer(nn.Module):
@@ -193,7 +197,7 @@ class Drafter(nn.Module):
         self, features: torch.Tensor, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context K/V for target features [B, S, n*H] at absolute positions [B, S]."""
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        ctx = self.hidden_norm(fused_linear(self, "fc", features.to(self.fc.weight.dtype), self.fc)[0])
         cos, sin = self._rope(positions, ctx.dtype)
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 

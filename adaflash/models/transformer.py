@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.models.layers import GatedMLP, RMSNorm, apply_rope, rope_tables
+from adaflash.models.layers import GatedMLP, RMSNorm, apply_rope, attention_dtype, rope_tables
+from adaflash.models.packed import fused_linear
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,10 @@ class Attention(nn.Module):
         packed serving runner, which then attends against its slot cache)."""
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        q, k, v = fused_linear(self, "qkv", x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, c.num_heads, c.head_dim)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
@@ -121,14 +123,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.c
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = (t.to(cache_k.dtype) for t in self.project(x, cos, sin))
         idx = write_index[:, None, :, None].expand(B, c.num_kv_heads, T, c.head_dim)
         cache_k.scatter_(2, idx, k)
         cache_v.scatter_(2, idx, v)
         out = F.scaled_dot_product_attention(
             q, cache_k[:, :, :span], cache_v[:, :, :span], attn_mask=mask, enable_gqa=True
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.output(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_linear(self, "o", x, self.o_proj)[0]
 
 
 class Block(nn.Module):
@@ -156,34 +161,27 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._head_t: torch.Tensor | None = None  # lm_head.weight transposed (1-row logits)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache.allocate(self.config, batch, capacity, self.dtype, self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        return KVCache.allocate(self.config, batch, capacity, attention_dtype(self.dtype), device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits. For a few rows without autograd, the layout the CPU BLAS reads fastest
-        (measured, SmolLM2's 49k×576 head, 1 thread: 1 row 11.2 → 6.1 ms via a transposed copy,
-        2-4 rows 27 → 10 ms as W·xᵀ, 8-32 rows ~25% faster in 2048-row chunks); it is the widest
-        matmul of a small model and verification reads k rows of it every round."""
-        if hidden.dim() != 2 or (torch.is_grad_enabled() and hidden.requires_grad) or hidden.shape[0] > 64:
+        """LM-head logits; without autograd through the prepacked head (`models.packed`). It is
+        the widest matmul of a small model and verification reads k rows of it every round
+        (measured, SmolLM2's 49k×576 fp32 head, 2 threads: 1 row 6.8 → 5.6 ms, 8 rows 13.9 → 6.0,
+        32 rows 24.0 → 12.1 against the best plain layout for each size)."""
+        if torch.is_grad_enabled() and hidden.requires_grad:
             return self.lm_head(hidden)
-        W = self.lm_head.weight
-        n = hidden.shape[0]
-        if n == 1:
-            if self._head_t is None or self._head_t.dtype != W.dtype:
-                self._head_t = W.detach().t().contiguous()
-            return hidden @ self._head_t
-        if n <= 4:
-            return (W @ hidden.t()).t()
-        return torch.cat([F.linear(hidden, W[i : i + 2048]) for i in range(0, W.shape[0], 2048)], dim=1)
+        with torch.no_grad():
+            return fused_linear(self, "lm_head", hidden, self.lm_head)[0]
 
     @torch.no_grad()
     def forward(

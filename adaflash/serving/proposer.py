@@ -23,6 +23,7 @@ from adaflash import kernels
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.length_head import verify_lengths
 from adaflash.models.ngram import propose as ngram_propose
+from adaflash.models.packed import fused_linear
 from adaflash.models.transformer import TargetModel
 from adaflash.serving import verifier
 from adaflash.serving.costs import (
@@ -88,7 +89,11 @@ class Proposer:
         # round's cost (49k rows for SmolLM2, ~7k in the shipped drafter's vocabulary).
         vocab = bundle.draft_vocab if bundle is not None else None
         self.vocab = vocab
-        self._head = self.model.lm_head.weight[vocab].contiguous() if vocab is not None else None
+        self._head: torch.nn.Linear | None = None
+        if vocab is not None:
+            rows = self.model.lm_head.weight[vocab]
+            self._head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
+            self._head.weight = torch.nn.Parameter(rows.contiguous(), requires_grad=False)
         self._reset_stats()
 
     def _reset_stats(self) -> None:
@@ -291,7 +296,9 @@ class Proposer:
                     drafts_per[i] = []
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self._head.T if self._head is not None else self.model.logits(hidden)
+        if self._head is None:
+            return self.model.logits(hidden)
+        return fused_linear(self, "draft_head", hidden, self._head)[0]  # prepacked, like the target's
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits on the whole vocabulary (−inf outside the drafter's): q for sampling."""

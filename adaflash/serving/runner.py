@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from adaflash.models.drafter import Drafter
-from adaflash.models.layers import rope_tables
+from adaflash.models.layers import attention_dtype, rope_tables
 from adaflash.models.transformer import KVCache, TargetModel
 
 # Segments longer than this get their own attention call (see module docstring).
@@ -77,6 +77,11 @@ class _AttnGroup:
     width: int
     span: int
     mask: torch.Tensor | None  # [R, 1, W, span]
+    # Slots first..first+R-1 in order: their keys are a view of the cache, no gather copy.
+    first_slot: int | None
+    # Every segment is `width` long and the rows are the packed rows in order (the common decode
+    # step: all k̂ equal): queries are a view of the packed rows, no scatter or gather.
+    dense: bool
 
 
 def _span_buckets(ends: list[tuple[int, int]]) -> list[list[int]]:
@@ -101,7 +106,9 @@ def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
     short = [(ends[i], i) for i in range(len(lens)) if lens[i] <= LONG_SEGMENT]
     long = [[i] for i in range(len(lens)) if lens[i] > LONG_SEGMENT]
     groups = []
+    slot_of = batch.slots.tolist()
     for members in _span_buckets(short) + long:
+        members = sorted(members, key=slot_of.__getitem__)
         idx = torch.tensor(members, dtype=torch.long)
         lens, starts = batch.lengths[idx], batch.starts[idx]
         width = int(lens.max())
@@ -115,7 +122,10 @@ def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
         mask = (torch.arange(span)[None, None, :] <= qpos[:, :, None])[:, None]
         if len(members) == 1 and width == 1:
             mask = None  # a lone decode token sees its whole slot: let SDPA take its unmasked path
-        groups.append(_AttnGroup(rows, seg, within, batch.slots[idx], width, span, mask))
+        slots = [slot_of[i] for i in members]
+        first = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
+        dense = bool((lens == width).all()) and torch.equal(rows, torch.arange(batch.num_rows))
+        groups.append(_AttnGroup(rows, seg, within, batch.slots[idx], width, span, mask, first, dense))
     return groups
 
 
@@ -125,7 +135,7 @@ class PackedRunner:
     def __init__(self, model: TargetModel, slots: int, capacity: int) -> None:
         self.model = model
         self.config = model.config
-        self.cache = KVCache.allocate(model.config, slots, capacity, model.dtype)
+        self.cache = KVCache.allocate(model.config, slots, capacity, attention_dtype(model.dtype))
         self.last_num_rows = 0  # rows the last forward ran through the linear layers (tests, metrics)
 
     @property
@@ -161,25 +171,32 @@ class PackedRunner:
     def _attention(self, attn, h, cos, sin, layer: int, batch: PackedBatch, groups: list[_AttnGroup]):
         c = self.config
         N = h.shape[0]
-        # The model's own projection + RoPE, the packed rows read as one sequence of N tokens.
-        q, k, v = (t[0].transpose(0, 1) for t in attn.project(h[None], cos, sin))  # [N, heads, D]
         ck, cv = self.cache.k[layer], self.cache.v[layer]  # [slots, kvh, cap, D]
+        # The model's own projection + RoPE, the packed rows read as one sequence of N tokens;
+        # attention in the cache's dtype (`attention_dtype`).
+        q, k, v = (t[0].transpose(0, 1).to(ck.dtype) for t in attn.project(h[None], cos, sin))  # [N, h, D]
         ck[batch.slot_rows, :, batch.positions] = k
         cv[batch.slot_rows, :, batch.positions] = v
-        out = torch.empty_like(q)
+        out = q if len(groups) == 1 and groups[0].dense else torch.empty_like(q)
         for g in groups:
             R = g.slots.numel()
-            qp = q.new_zeros(R, g.width, c.num_heads, c.head_dim)
-            qp[g.seg, g.within] = q[g.rows]
-            if R == 1:  # one request: its slot is a view, no gather copy
-                slot = int(g.slots[0])
-                kp, vp = ck[slot : slot + 1, :, : g.span], cv[slot : slot + 1, :, : g.span]
+            if g.dense:
+                qp = q.view(R, g.width, c.num_heads, c.head_dim)
+            else:
+                qp = q.new_zeros(R, g.width, c.num_heads, c.head_dim)
+                qp[g.seg, g.within] = q[g.rows]
+            if g.first_slot is not None:  # consecutive slots: a view, no gather copy
+                kp = ck[g.first_slot : g.first_slot + R, :, : g.span]
+                vp = cv[g.first_slot : g.first_slot + R, :, : g.span]
             else:
                 kp = ck[:, :, : g.span].index_select(0, g.slots)
                 vp = cv[:, :, : g.span].index_select(0, g.slots)
             o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, vp, attn_mask=g.mask, enable_gqa=True)
-            out[g.rows] = o.transpose(1, 2)[g.seg, g.within]
-        return attn.o_proj(out.reshape(N, -1))
+            if g.dense and len(groups) == 1:
+                out = o.transpose(1, 2).reshape(N, c.num_heads, c.head_dim)
+            else:
+                out[g.rows] = o.transpose(1, 2)[g.seg, g.within]
+        return attn.output(out.reshape(N, -1).to(h.dtype))
 
 
 class DrafterSlots:
