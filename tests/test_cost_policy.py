@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaflash.serving.costs import AcceptanceStats, Candidate, CostCurve, StepCosts, choose
+from adaflash.serving.costs import AcceptanceStats, Candidate, CostCurve, StepCosts, TargetCost, choose
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.proposer import EXPLORE_EVERY
 from tests.conftest import ar_reference, make_bundle
@@ -37,7 +37,7 @@ def _curve(points: dict[int, float]) -> CostCurve:
 
 
 def _costs(target: dict[int, float], block: dict[int, float], lm: dict[int, float]) -> StepCosts:
-    return StepCosts(_curve(target), _curve(block), _curve(lm))
+    return StepCosts(TargetCost.single(_curve(target)), _curve(block), _curve(lm))
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +171,19 @@ def test_guard_raises_the_price_of_drafts_while_they_deliver_less_than_plain_ste
     cand = Candidate([0.2, 0.1], 2, [], 0)
     assert choose([cand], costs, 1, 1.0)[0][0].proposer == "ngram"
     assert choose([cand], costs, 1, 1.0, penalty=20.0)[0][0].proposer == "none"
+
+
+def test_target_cost_prices_rows_by_the_requests_they_belong_to():
+    """32 rows as one request's verify and as 32 requests' decode tokens are different steps;
+    levels without a measurement interpolate (in log2 of requests) between measured ones."""
+    cost = TargetCost(1024, max_requests=32, rate=0.5)
+    for rows, sec in ((1, 0.05), (32, 0.10), (256, 0.50)):
+        cost.set(1, rows, sec)
+    for rows, sec in ((32, 0.14), (64, 0.24), (256, 0.60)):
+        cost.set(32, rows, sec)
+    assert cost(32, 1) == pytest.approx(0.10) and cost(32, 32) == pytest.approx(0.14)
+    assert cost(32, 4) == pytest.approx(0.10 + 0.4 * 0.04)  # log2(4) = 2 of 5 levels up
+    # the marginal verify row of a batch-32 step is priced from the batch-32 curve
+    assert cost(64, 32) - cost(32, 32) == pytest.approx(0.10)
+    cost.observe(64, 32, 0.34)  # an observed step moves the curve at its own level only
+    assert cost(64, 32) > 0.24 and cost(64, 1) == pytest.approx(0.10 + 32 * (0.40 / 224))

@@ -59,9 +59,7 @@ def test_step_verifies_exactly_sum_of_khat(tiny64):
     engine = Engine(tiny64, bundle, EngineConfig(method="adaflash"), "v1")
     rows_seen: list[int] = []
     # The linear layers of the target see exactly the packed rows: count them at an MLP input.
-    hook = tiny64.model.layers[0].mlp.register_forward_hook(
-        lambda m, i, o: rows_seen.append(i[0].shape[0])
-    )
+    hook = tiny64.model.layers[0].mlp.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
     try:
         for p in PROMPTS[:12]:
             engine.submit(Request(p, GenParams(max_tokens=40, temperature=0)))

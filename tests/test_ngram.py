@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaflash.models.ngram import NgramIndex, propose
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from tests.conftest import ar_reference
 from tests.test_speculative import _chi2_pvalue, _exact_law, _tiny_vocab_target, engine_sample_counts
@@ -31,3 +35,18 @@ def test_ngram_sampling_matches_target_distribution():
         and sum(rd.verify_len - 1 - rd.accepted for rd in rounds) > 300
     )
     assert _chi2_pvalue(counts, _exact_law(target, prompt, n, temperature)) > 1e-3
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=0, max_size=60),
+    cuts=st.lists(st.integers(0, 60), max_size=6),
+    count=st.integers(0, 9),
+)
+def test_incremental_index_proposes_exactly_what_the_scan_does(tokens, cuts, count):
+    """The serving engine's per-request `NgramIndex`, fed in arbitrary increments, proposes what
+    the reference backwards scan proposes after every increment."""
+    index = NgramIndex()
+    for end in [*sorted(c for c in cuts if c <= len(tokens)), len(tokens)]:
+        index.sync(tokens[:end])
+        assert index.propose(count) == propose(tokens[:end], count)

@@ -124,6 +124,7 @@ def test_online_trainer_improves_acceptance_resumes_and_saves_a_loadable_drafter
     with pytest.raises(Stop):
         OnlineTrainer(tiny32, bundle, out, cfg, progress=interrupt).train(records)
     fresh = make_bundle(tiny32, block_size=8, seed=3)  # the same champion, reloaded
+    fresh.draft_vocab = torch.arange(0, 300)  # a champion drafting over part of the vocabulary
     seen = []
     metrics = OnlineTrainer(tiny32, fresh, out, cfg, progress=lambda k, i: seen.append((k, i))).train(
         records, lineage={"record_ids": [r.record.record_id for r in records]}
@@ -133,6 +134,7 @@ def test_online_trainer_improves_acceptance_resumes_and_saves_a_loadable_drafter
     assert len(taus) == 4 and taus[-1] > taus[0]
     loaded = load_drafter_for(out, tiny32)
     assert loaded.meta.lineage["loss"] == "opd" and len(loaded.meta.lineage["record_ids"]) == 6
+    assert torch.equal(loaded.draft_vocab, fresh.draft_vocab)  # the challenger keeps its parent's
     # the trained drafter still decodes losslessly
     ar = OfflineDecoder(tiny32, None).generate([records[0].record.prompt_token_ids], DecodeConfig("ar", 24))
     sd = OfflineDecoder(tiny32, loaded).generate(

@@ -175,3 +175,32 @@ def test_generation_streams_results_and_stops_at_deadline(tiny64):
         gen.time.time = real
     assert cut[:2] == [out[0][: len(cut[0])], out[1][: len(cut[1])]] and 0 < len(cut[0]) < 8
     assert cut[2:] == [None] * 4
+
+
+def test_frozen_linears_match_the_modules_and_follow_weight_changes():
+    """The prepacked inference path (`models.packed`) computes what the modules compute, and a
+    packed copy never outlives the weights it was built from (optimizer steps, new parameters,
+    dtype casts, load_state_dict)."""
+    from adaflash.models.packed import fused_linear
+
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(16, 8, bias=True), torch.nn.Linear(16, 4, bias=False)
+    owner = torch.nn.Module()
+    x = torch.randn(5, 3, 16)
+    with torch.no_grad():
+        for _ in range(2):  # built, then reused
+            fq, fk = fused_linear(owner, "qk", x, q, k)
+            torch.testing.assert_close(fq, q(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fk, k(x), rtol=1e-5, atol=1e-5)
+        q.weight.mul_(2)  # an in-place update (what an optimizer step does)
+        torch.testing.assert_close(fused_linear(owner, "qk", x, q, k)[0], q(x), rtol=1e-5, atol=1e-5)
+        k.weight = torch.nn.Parameter(torch.zeros(4, 16))
+        assert torch.equal(fused_linear(owner, "qk", x, q, k)[1], torch.zeros(5, 3, 4))
+        q.to(torch.bfloat16), k.to(torch.bfloat16)
+        xb = x.bfloat16()
+        torch.testing.assert_close(fused_linear(owner, "qk", xb, q, k)[0], q(xb))
+        q.load_state_dict({"weight": torch.ones(8, 16), "bias": torch.zeros(8)})
+        torch.testing.assert_close(fused_linear(owner, "qk", xb, q, k)[0], q(xb))
+    x.requires_grad_(True)  # with autograd: the modules themselves, gradients flow
+    fused_linear(owner, "qk", x.bfloat16(), q.requires_grad_(True), k)[0].sum().backward()
+    assert q.weight.grad is not None

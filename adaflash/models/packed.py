@@ -52,17 +52,25 @@ class FrozenLinear:
         self.onednn = _ONEDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.onednn else w
 
-    def _versions(self) -> tuple[tuple[int, int], ...]:
-        # In-place updates bump `_version`; `.to()` / `load_state_dict` may swap the storage.
-        return tuple((lin.weight.data_ptr(), lin.weight._version) for lin in self.sources)
+    def _versions(self) -> list[tuple[nn.Linear, int, int]]:
+        # In-place updates bump `_version`; `.to()` / `load_state_dict` may swap the storage
+        # (or the Parameter: `lin.weight` is read afresh on every check).
+        return [(lin, lin.weight.data_ptr(), lin.weight._version) for lin in self.sources]
 
     @property
     def stale(self) -> bool:
-        return self._versions() != self.versions
+        # Checked on every call (~120 per decode step): a plain loop, no tuples built.
+        for lin, ptr, version in self.versions:
+            w = lin.weight
+            if w._version != version or w.data_ptr() != ptr:
+                return True
+        return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.onednn or x.dtype != self.weight.dtype:
+        if not self.onednn:
             return F.linear(x, self.weight, self.bias)
+        if x.dtype != self.weight.dtype:  # what the modules themselves do (or how they fail)
+            return torch.cat([lin(x) for lin in self.sources], dim=-1)
         rows = x.reshape(-1, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])

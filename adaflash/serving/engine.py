@@ -219,7 +219,8 @@ class Engine(StepLoop):
         self.scheduler.observe(len(admitted) + len(decoding), mean_k)
         stats.seconds = time.perf_counter() - t0
         cpu = policy_clock() - cpu0
-        self.proposer.observe_step(batch.num_rows, t_fwd, cpu, plan, stats.emitted, bool(admitted))
+        self.proposer.observe_step(batch.num_rows, t_fwd, cpu, plan, stats.emitted, bool(admitted),
+                                   len(segments))  # fmt: skip
         self.last_step = stats
         for obs in self.step_observers:
             obs(stats, self)

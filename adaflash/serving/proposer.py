@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from adaflash import kernels
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.length_head import verify_lengths
-from adaflash.models.ngram import propose as ngram_propose
 from adaflash.models.packed import fused_linear
 from adaflash.models.transformer import TargetModel
 from adaflash.serving import verifier
@@ -33,6 +33,7 @@ from adaflash.serving.costs import (
     Option,
     SpeculationGuard,
     StepCosts,
+    TargetCost,
     _pick,
     choose,
     rescaled,
@@ -64,12 +65,14 @@ class Proposer:
         self.bundle: DrafterBundle | None = None
         self.version: str | None = None
         self.dslots: DrafterSlots | None = None
-        self.costs = StepCosts(CostCurve(2048), CostCurve(64), CostCurve(512))
+        self.costs = StepCosts(TargetCost(2048, slots), CostCurve(64), CostCurve(512))
+        self._requests = 1  # this step's decoding requests (the target cost's second axis)
         self.stats: dict[str, AcceptanceStats] = {}
         self.mean_a_hat: float | None = None  # running mean of â over drafted rounds (head level)
         self.guard = SpeculationGuard()
         self._penalty = 1.0
         self.steps_since_draft = 0
+        self._explore_turn = 0
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         self._ngram: dict[int, list[int]] = {}  # this step's n-gram proposals (scored in observe)
         self._methods: list[str] = []  # this step's decoding requests' methods
@@ -127,30 +130,39 @@ class Proposer:
         top = min(max_rows, 512, runner.capacity // 2)
         ctx = min(256, runner.capacity - top - 1)
 
-        def target(n: int) -> None:
-            h, _ = runner.forward(PackedBatch.build([Segment(0, ctx, [0] * n)]))
+        def target(requests: int, width: int) -> None:
+            segments = [Segment(i, ctx, [0] * width) for i in range(requests)]
+            h, _ = runner.forward(PackedBatch.build(segments))
             self.model.logits(h)
 
         runner.forward(PackedBatch.build([Segment(0, 0, [0] * (ctx + 1))]))  # context + warm-up
-        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= top]
-        probes = [(self.costs.target, n, lambda n=n: target(n)) for n in sizes]
+        cost = self.costs.target
+        # One request's rows (a verify, a prefill), then R requests x w rows each (decode and
+        # verify steps of a batch) at every request level the slots allow.
+        probes = [(partial(cost.set, 1, n), partial(target, 1, n))
+                  for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= top]  # fmt: skip
+        levels = sorted({lv for lv in (4, 16, self.slots) if lv in cost.levels[1:]})  # others interpolate
+        probes += [(partial(cost.set, R, R * w), partial(target, R, w))
+                   for R in levels for w in (1, 2, 4, 8) if R * w <= min(top, 256)]  # fmt: skip
         if self.bundle is not None:
             k, H = self.bundle.drafter.block_size, self.model.config.hidden_size
             for R in sorted({1, min(4, self.slots), min(16, self.slots)}):
                 block = self.model.embed(torch.zeros(R, k, dtype=torch.long))
                 args = (torch.arange(R), torch.full((R,), 16), block)
-                probes.append((self.costs.drafter_block, R, lambda a=args: self.dslots.draft_hidden(*a)))
+                probes.append(
+                    (partial(self.costs.drafter_block.set, R), partial(self.dslots.draft_hidden, *args))
+                )
             for n in (1, 2, 4, 8, 16, 64):
                 x = torch.zeros(n, H, dtype=self.model.dtype)
-                probes.append((self.costs.drafter_lm, n, lambda x=x: self._logits(x)))
+                probes.append((partial(self.costs.drafter_lm.set, n), partial(self._logits, x)))
         best = [float("inf")] * len(probes)
         for _ in range(repeats):
-            for j, (_, _, fn) in enumerate(probes):
+            for j, (_, fn) in enumerate(probes):
                 t0 = clock()
                 fn()
                 best[j] = min(best[j], clock() - t0)
-        for (curve, size, _), seconds in zip(probes, best, strict=True):
-            curve.set(size, seconds)
+        for (record, _), seconds in zip(probes, best, strict=True):
+            record(seconds)
         for curve in (self.costs.target, self.costs.drafter_block, self.costs.drafter_lm):
             curve.make_monotone()
 
@@ -167,7 +179,9 @@ class Proposer:
         for i, r in enumerate(decoding):
             room = min(k - 1, r.params.max_tokens - len(r.output_ids) - 1)
             if r.method == "ngram" or (i in policy and room > 0):
-                ngram[i] = ngram_propose(r.tokens, room) if room > 0 else []
+                if room > 0:
+                    r.lookup.sync(r.tokens)
+                ngram[i] = r.lookup.propose(room) if room > 0 else []
             if r.method == "ngram":
                 opts[i] = Option("ngram", len(ngram[i]), 0.0)
             elif r.method in ("dflash", "adaflash"):
@@ -181,13 +195,21 @@ class Proposer:
             base = base_rows + n + len(fixed) * (k - 1)
             base += sum(len(ngram[i]) for i in range(n) if decoding[i].method == "ngram")
             self._penalty = self.guard.penalty(n)
-            chosen, rate = choose(cands, self.costs, base, float(n), len(fixed), penalty=self._penalty)
+            self._requests = n
+            chosen, rate = choose(
+                cands, self.costs, base, float(n), len(fixed), penalty=self._penalty, requests=n
+            )
             self.steps_since_draft += 1
             if self.guard.want_plain_step(n) and len(policy) == n and not base_rows:
                 chosen = [Option("none", 0, 0.0)] * len(policy)  # measure what plain steps deliver
             elif self.steps_since_draft >= EXPLORE_EVERY:  # keep â and the drafter's stats fresh
-                chosen = [Option("drafter", c.drafter_limit, 0.0) if c.drafter_limit else o
-                          for c, o in zip(cands, chosen, strict=True)]  # fmt: skip
+                # One request drafts its full room, in turn: a fresh â and acceptance sample for
+                # the price of one block, not a batch of full-block verifies.
+                able = [j for j, c in enumerate(cands) if c.drafter_limit]
+                if able:
+                    j = able[self._explore_turn % len(able)]
+                    self._explore_turn += 1
+                    chosen[j] = Option("drafter", cands[j].drafter_limit, 0.0)
             for i, o in zip(policy, chosen, strict=True):
                 opts[i] = o
             if any(o.proposer == "drafter" for o in chosen):
@@ -317,7 +339,8 @@ class Proposer:
         ratio = a / max(self.mean_a_hat, 1e-3)
         cand.drafter_survival = rescaled(self.stats["drafter"].survival(), ratio)[: cand.drafter_limit]
         rows = max(sum(o.drafts for o in opts), 1)
-        row_price = self._penalty * (self.costs.target(rows + 1) - self.costs.target(rows))
+        step = self.costs.target(rows + 1, self._requests) - self.costs.target(rows, self._requests)
+        row_price = self._penalty * step
         lm_price = self._penalty * self.costs.drafter_lm(rows) / rows
         o = _pick(cand, rate, max(row_price, 0.0), lm_price, 0.0)
         opts[i] = o
@@ -352,11 +375,18 @@ class Proposer:
         self._ngram = {}
 
     def observe_step(
-        self, rows: int, target_seconds: float, step_seconds: float, plan: Plan, emitted: int, prefill: bool
+        self,
+        rows: int,
+        target_seconds: float,
+        step_seconds: float,
+        plan: Plan,
+        emitted: int,
+        prefill: bool,
+        requests: int = 1,
     ) -> None:
         """The step's measured target forward (+ logits), everything else it spent, and (for the
         guard) what a decode-only step delivered, with or without drafts."""
-        self.costs.target.observe(rows, target_seconds)
+        self.costs.target.observe(rows, requests, target_seconds)
         if plan.khat and not prefill and all(r == "adaflash-cost" for r in self._methods):
             speculated = any(p != "none" for p in plan.proposer)
             self.guard.observe(len(plan.khat), emitted, step_seconds, speculated)

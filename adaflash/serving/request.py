@@ -18,6 +18,7 @@ from enum import Enum
 import torch
 
 from adaflash.errors import InputError
+from adaflash.models.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class Request:
     stop_index: int | None = None  # a stop sequence starts at this index of the output text
     # Per-request acceptance memory of the cost policy (EMA of accepted drafts per proposer).
     accept_ema: dict[str, float] = field(default_factory=dict)
+    lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # prompt lookup's n-gram table
 
     @property
     def finished(self) -> bool:

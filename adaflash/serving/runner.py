@@ -30,6 +30,8 @@ from adaflash.models.transformer import KVCache, TargetModel
 
 # Segments longer than this get their own attention call (see module docstring).
 LONG_SEGMENT = 32
+# Queued committed rows that make the drafter context project them without waiting for a draft.
+FLUSH_ROWS = 512
 
 
 @dataclass
@@ -203,22 +205,48 @@ class DrafterSlots:
     """Per-request drafter context K/V, slot layout `[slots, kv_heads, capacity, D]` per layer.
 
     A slot's context length always equals the request's committed target length: both grow by
-    the anchor plus the accepted drafts of each round.
+    the anchor plus the accepted drafts of each round. Committed rows' features are projected
+    lazily: `extend` queues them and the projection runs batched when a block is drafted (or the
+    queue is long). A step that drafts nothing (AR rounds of the cost policy) then pays no drafter
+    op at all; the projection is row-wise, so batching it changes no value.
     """
 
-    def __init__(self, drafter: Drafter, slots: int, capacity: int) -> None:
+    def __init__(self, drafter: Drafter, slots: int, capacity: int, flush_rows: int = FLUSH_ROWS) -> None:
         c = drafter.config
         self.drafter = drafter
+        self.capacity, self.flush_rows = capacity, flush_rows
         dtype = drafter.fc.weight.dtype
         shape = (slots, c.num_kv_heads, capacity, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._queued_rows = 0
 
-    @torch.no_grad()
     def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Project committed rows' target features [M, n*H] once into their slots' context."""
+        """Queue committed rows' target features [M, n*H] for their slots' context."""
         if features.shape[0] == 0:
             return
+        self._queued.append((features, slot_rows, positions))
+        self._queued_rows += features.shape[0]
+        if self._queued_rows >= self.flush_rows:
+            self.flush()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Project every queued row once into its slot (the newest write of a reused slot's
+        position wins, as it would have step by step)."""
+        if not self._queued:
+            return
+        features, slot_rows, positions = (torch.cat(t) for t in zip(*self._queued, strict=True))
+        self._queued, self._queued_rows = [], 0
+        key = slot_rows * self.capacity + positions
+        if torch.unique(key).numel() != key.numel():
+            order = torch.arange(key.numel())
+            newest = torch.full((int(key.max()) + 1,), -1, dtype=torch.long).scatter_reduce(
+                0, key, order, "amax"
+            )
+            keep = newest[key] == order
+            features, slot_rows, positions = features[keep], slot_rows[keep], positions[keep]
         kv = self.drafter.context_kv(features[None], positions[None])
         for (k, v), ck, cv in zip(kv, self.k, self.v, strict=True):
             ck[slot_rows, :, positions] = k[0].transpose(0, 1)
@@ -233,6 +261,7 @@ class DrafterSlots:
         Requests are bucketed by context length like the target's attention, so one long
         conversation does not pad every other request's context to its length.
         """
+        self.flush()
         buckets = _span_buckets(list(zip(lengths.tolist(), range(len(lengths)), strict=True)))
         if len(buckets) == 1:
             return self._draft(slots, lengths, block_embeds)

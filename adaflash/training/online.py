@@ -314,7 +314,8 @@ class OnlineTrainer:
             "steps": self.state.step,
         }
         if self.is_main:
-            save_drafter(self.out, self.drafter, self.head, meta)
+            # The challenger drafts over its parent's vocabulary: serving keeps the small LM head.
+            save_drafter(self.out, self.drafter, self.head, meta, draft_vocab=self.parent.draft_vocab)
             (self.out / METRICS).write_text(json.dumps(metrics, indent=2))
         if self.dp is not None:
             self.dp.barrier()  # no rank returns before the challenger is on disk
