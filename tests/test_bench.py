@@ -22,12 +22,15 @@ def test_bench_grid_report_and_plots(tiny64, tmp_path):
     import torch
 
     bundle = make_bundle(tiny64, block_size=4)
-    spec = BenchSpec(concurrency=[1, 3], domains=["math", "blend"], max_new_tokens=8, min_prompts=3)
+    spec = BenchSpec(
+        concurrency=[1, 3], domains=["math", "blend"], max_new_tokens=8, min_prompts=3, repeats=2
+    )
     result = run_bench(tiny64, bundle, spec, log=lambda s: None)
     cells = result["cells"]
-    assert len(cells) == 3 * 2 * 2
+    assert len(cells) == 3 * 2 * 2  # one cell per (domain, C, method): the fastest of its 2 runs
     for c in cells:
         assert c["requests"] == 3 and c["output_tokens"] > 0 and c["tps"] > 0
+        assert len(c["tps_runs"]) == 2 and c["tps"] == max(c["tps_runs"])
         assert c["identical_to_ar"] == c["requests"]  # same prompts, lossless (float64)
         assert 1 <= c["mean_verify_len"] <= (1 if c["method"] == "ar" else 4)
         assert c["e2e_s"]["p50"] <= c["e2e_s"]["p99"] and c["ttft_s"]["p50"] > 0

@@ -23,6 +23,14 @@ def markdown(result: dict) -> str:
         f"probe_every = {result['spec']['probe_every']}.",
         f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, "
         f"{result['machine']['torch_threads']} torch thread(s), torch {result['machine']['torch']}.",
+        *(
+            [
+                f"Each cell ran {reps} times, the method order alternating; the fastest run is shown "
+                "(every run's tok/s is in `results.json`, `tps_runs`; = AR counts the worst run)."
+            ]
+            if (reps := result["spec"].get("repeats", 1)) > 1
+            else []
+        ),
         "",
         "| domain | C | method | req | tok/s | speedup | tok/CPU-s | speedup per CPU-s | τ | mean k̂ "
         "| e2e P50/P95/P99 s | TTFT P50/P95/P99 s | ITL P50/P95/P99 ms | TPOT P50 ms | = AR |",

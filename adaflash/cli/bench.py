@@ -54,6 +54,9 @@ def bench(
     serve_rss: Annotated[
         int, typer.Option(help="also measure `serve`'s peak RSS at this concurrency (0: skip)")
     ] = 0,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="runs per cell, method order alternating; the fastest is reported")
+    ] = 1,
     data_dir: PromptsDirOpt = None,
 ) -> None:
     """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
@@ -72,6 +75,7 @@ def bench(
         hf_baseline=hf_baseline,
         llamacpp=llamacpp,
         bounds=bounds,
+        repeats=repeats,
         data_dir=data_dir,
     )
     if any(m != "ar" for m in spec.methods) and drafter is None:
