@@ -44,6 +44,7 @@ def test_bench_grid_report_and_plots(tiny64, tmp_path):
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
     md = (tmp_path / "results.md").read_text()
     assert "| math | 3 | adaflash |" in md and "AdaFlash ≥ DFlash, math C=3" in md
+    assert "Each cell ran 2 times" in md
     assert "transformers.generate" in md
     # The machine's bounds come from the same run; C=32 did not run, so only the C=1 fraction.
     roof = result["roofline"]
