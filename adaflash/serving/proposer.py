@@ -48,6 +48,7 @@ NGRAM_BLOCK = 8  # anchor + up to 7 looked-up drafts when no drafter fixes the b
 # also counts the time the scheduler gave to them, which says nothing about what a draft costs.
 clock = time.process_time
 EXPLORE_EVERY = 32  # steps without a policy drafter forward before one is forced (fresh â)
+IDLE_RECHECK = 8  # after this many no-draft plans in a row, only every 8th step is priced
 MEMORY = 0.3  # weight of the newest round in a request's acceptance memory
 
 
@@ -73,6 +74,7 @@ class Proposer:
         self._penalty = 1.0
         self.steps_since_draft = 0
         self._explore_turn = 0
+        self._idle: dict[int, int] = {}  # per load bucket: plans in a row that chose no draft
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         self._ngram: dict[int, list[int]] = {}  # this step's n-gram proposals (scored in observe)
         self._methods: list[str] = []  # this step's decoding requests' methods
@@ -176,9 +178,10 @@ class Proposer:
         ngram: dict[int, list[int]] = {}
         fixed = []  # drafter requests of fixed-policy methods
         policy = [i for i, r in enumerate(decoding) if r.method == "adaflash-cost" and self.bundle]
+        in_policy = set(policy)
         for i, r in enumerate(decoding):
             room = min(k - 1, r.params.max_tokens - len(r.output_ids) - 1)
-            if r.method == "ngram" or (i in policy and room > 0):
+            if r.method == "ngram" or (i in in_policy and room > 0):
                 if room > 0:
                     r.lookup.sync(r.tokens)
                 ngram[i] = r.lookup.propose(room) if room > 0 else []
@@ -190,7 +193,20 @@ class Proposer:
                 else:
                     fixed.append(i)
         rate = 0.0
-        if policy:
+        bucket = SpeculationGuard.bucket(n)
+        idle = self._idle.get(bucket, 0)
+        if (
+            policy
+            and idle >= IDLE_RECHECK
+            and idle % IDLE_RECHECK
+            and self.steps_since_draft + 1 < EXPLORE_EVERY
+        ):
+            # Priced out at this load: the last plans chose no draft, so most steps skip pricing
+            # (its Python costs a few % of a batch step) and run as AR; every IDLE_RECHECK-th step
+            # prices again, and exploration still comes every EXPLORE_EVERY steps.
+            self._idle[bucket] = idle + 1
+            self.steps_since_draft += 1
+        elif policy:
             cands = [self._candidate(decoding[i], ngram.get(i, []), k) for i in policy]
             base = base_rows + n + len(fixed) * (k - 1)
             base += sum(len(ngram[i]) for i in range(n) if decoding[i].method == "ngram")
@@ -199,6 +215,7 @@ class Proposer:
             chosen, rate = choose(
                 cands, self.costs, base, float(n), len(fixed), penalty=self._penalty, requests=n
             )
+            self._idle[bucket] = idle + 1 if all(o.proposer == "none" for o in chosen) else 0
             self.steps_since_draft += 1
             if self.guard.want_plain_step(n) and len(policy) == n and not base_rows:
                 chosen = [Option("none", 0, 0.0)] * len(policy)  # measure what plain steps deliver
