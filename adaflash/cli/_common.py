@@ -38,7 +38,8 @@ DtypeOpt = Annotated[
     str,
     typer.Option(
         "--dtype",
-        help="target weights: float32 | bfloat16 (the bf16 target's own outputs: lossless against it)",
+        help="target weights: float32 | bfloat16 (bench only: bf16 speculation is not token-identical "
+        "to its AR on SmolLM2, so nothing serves it)",
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]

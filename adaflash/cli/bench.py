@@ -18,7 +18,6 @@ app = typer.Typer()
 @app.command()
 def compare(
     target: TargetOpt = "smollm2",
-    dtype: DtypeOpt = "float32",
     drafter: Annotated[Path, typer.Option(help="drafter dir")] = Path("drafters/smollm2"),
     prompts_per_domain: Annotated[int, typer.Option()] = 3,
     max_new_tokens: Annotated[int, typer.Option()] = 96,
@@ -26,7 +25,7 @@ def compare(
     """Compare ar / dflash / adaflash on held-out prompts with one drafter, batch 1, greedy."""
     from adaflash.bench.compare import run_comparison
 
-    tgt, bundle = load(target, drafter, dtype)
+    tgt, bundle = load(target, drafter)
     run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
 
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from adaflash.cli._common import BootstrapOpt, DtypeOpt, TargetOpt, console, err_console, load
+from adaflash.cli._common import BootstrapOpt, TargetOpt, console, err_console, load
 from adaflash.errors import InputError
 
 app = typer.Typer()
@@ -27,7 +27,6 @@ SpoolOpt = Annotated[Path, typer.Option(help="feedback spool while Kafka is unre
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="user message (chat template applied)")],
     target: TargetOpt = "smollm2",
-    dtype: DtypeOpt = "float32",
     drafter: Annotated[Path | None, typer.Option(help="drafter directory (DFlash format)")] = None,
     method: Annotated[str, typer.Option(help="ar | dflash | adaflash | adaflash-cost | ngram")] = "adaflash",
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
@@ -41,7 +40,7 @@ def generate(
 
     if method != "ar" and drafter is None:
         raise InputError(f"method {method!r} needs --drafter DIR")
-    tgt, bundle = load(target, drafter, dtype)
+    tgt, bundle = load(target, drafter)
     ids = tgt.tokenizer.chat_prompt(prompt)
     cfg = DecodeConfig(method, max_new_tokens, temperature, gamma, seed)
     res = OfflineDecoder(tgt, bundle).generate([ids], cfg)[0]
@@ -65,7 +64,6 @@ def generate(
 @app.command()
 def serve(
     target: TargetOpt = "smollm2",
-    dtype: DtypeOpt = "float32",
     drafter: Annotated[
         Path | None, typer.Option(help="drafter directory (DFlash format); none = ar only")
     ] = None,
@@ -99,7 +97,7 @@ def serve(
     from adaflash.serving import launch
     from adaflash.serving.engine import EngineConfig
 
-    tgt, bundle = load(target, drafter, dtype)
+    tgt, bundle = load(target, drafter)
     if bundle is None and method != "ar":
         raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar)")
     cfg = EngineConfig(

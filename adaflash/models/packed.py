@@ -12,8 +12,9 @@ Measured on this machine (SmolLM2-135M's per-layer shapes, 30 layers, 2 threads;
 
 The prepacked kernel is also *batch-invariant* here: a row's output does not depend on how many
 other rows share the call (checked for 1–400 rows; fp32 down-projections differ only between
-one row and more). Verifying k̂ rows and decoding one then give the same bits, which is what makes
-speculative decoding token-identical to AR at temperature 0 in bf16 as well.
+one row and more): verifying k̂ rows and decoding one give the same bits in every linear layer.
+(Speculation on a bf16 target is still not token-identical to its AR on SmolLM2, cause not yet
+localized, so nothing serves bf16: docs/serving.md.)
 
 Only without autograd: training runs the modules as they are. A packed copy remembers the
 storage and version counter of the weights it was built from and is rebuilt if either changes
