@@ -179,7 +179,9 @@ class PackedRunner:
         q, k, v = (t[0].transpose(0, 1).to(ck.dtype) for t in attn.project(h[None], cos, sin))  # [N, h, D]
         ck[batch.slot_rows, :, batch.positions] = k
         cv[batch.slot_rows, :, batch.positions] = v
-        out = q if len(groups) == 1 and groups[0].dense else torch.empty_like(q)
+        # One dense group (a uniform decode step): its output is already in packed row order.
+        whole = len(groups) == 1 and groups[0].dense
+        out = None if whole else torch.empty_like(q)
         for g in groups:
             R = g.slots.numel()
             if g.dense:
@@ -194,7 +196,7 @@ class PackedRunner:
                 kp = ck[:, :, : g.span].index_select(0, g.slots)
                 vp = cv[:, :, : g.span].index_select(0, g.slots)
             o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, vp, attn_mask=g.mask, enable_gqa=True)
-            if g.dense and len(groups) == 1:
+            if whole:
                 out = o.transpose(1, 2).reshape(N, c.num_heads, c.head_dim)
             else:
                 out[g.rows] = o.transpose(1, 2)[g.seg, g.within]
