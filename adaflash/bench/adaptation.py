@@ -53,6 +53,10 @@ class AdaptationSpec:
     source: str = "humaneval"  # prompt-id prefix of the shifted domain inside the held-out sets
     tenants: int = 4
     data_dir: Path | None = None
+    # Earlier rounds' clean records replayed beside each round's new ones (training/replay.py);
+    # 0 trains on the new records only.
+    replay_records: int = 0
+    replay_half_life_s: float = 3600.0
 
 
 def shifted_prompts(spec: AdaptationSpec) -> list[Prompt]:
@@ -158,6 +162,7 @@ class _Loop:
         vocab = Vocabulary(target.name, target.tokenizer, target.config.vocab_size, target.fingerprint)
         self.gov = Governor(GovernanceConfig(data_dir=self.work / "governance"), vocab, scrubber)
         self.offset = 0
+        self.history: list[CleanRecord] = []  # every earlier round's clean records (the replay pool)
 
     def govern(self, records) -> dict:
         self.clean, summary = govern_records(self.gov, records, self.offset)
@@ -166,18 +171,26 @@ class _Loop:
 
     def train(self, round_no: int, spec: AdaptationSpec) -> dict:
         from adaflash.training.online import OnlineConfig, OnlineTrainer
+        from adaflash.training.replay import ReplayWindow, replay_sample
 
         out = self.work / f"drafter-r{round_no + 1}"
         t = time.perf_counter()
+        window = ReplayWindow(spec.replay_records, spec.replay_half_life_s, tenant_cap=1.0 / spec.tenants)
+        new_ids = {c.record.record_id for c in self.clean}
+        replayed = replay_sample(self.history, window, seed=round_no, exclude=new_ids)
+        self.history += self.clean
         cfg = OnlineConfig(loss=self.loss, epochs=spec.epochs, lr=spec.lr)
-        metrics = OnlineTrainer(self.target, self.bundle, out, cfg).train(
-            self.clean, lineage={"version": f"{self.name}-r{round_no + 1}", "round": round_no}
-        )
+        lineage = {"version": f"{self.name}-r{round_no + 1}", "round": round_no,
+                   "train_record_ids": sorted(new_ids | {c.record.record_id for c in replayed}),
+                   "replay_record_ids": [c.record.record_id for c in replayed]}  # fmt: skip
+        trainer = OnlineTrainer(self.target, self.bundle, out, cfg)
+        metrics = trainer.train(self.clean + replayed, lineage=lineage)
         self.dir = out
         self.bundle = load_drafter_for(out, self.target)
         return {
             "train_s": time.perf_counter() - t,
             "records": metrics["records"],
+            "replayed": len(replayed),
             "train_tau": [round(e["train_tau"], 4) for e in metrics["epochs"]],
         }
 

@@ -104,6 +104,9 @@ def adapt(
     lr: Annotated[float, typer.Option()] = 3e-4,
     learners: Annotated[str, typer.Option(help="comma list of osd, adaflash")] = "osd,adaflash",
     source: Annotated[str, typer.Option(help="held-out prompt-id prefix of the new domain")] = "humaneval",
+    replay_records: Annotated[
+        int, typer.Option(help="earlier rounds' records replayed per round, capped per tenant (0: new only)")
+    ] = 0,
     out: Annotated[Path, typer.Option(help="JSON + markdown + plot")] = Path("benchmarks/online"),
     work: Annotated[Path, typer.Option(help="per-learner governance dirs and drafters")] = Path(
         ".adaflash/adapt"
@@ -116,7 +119,8 @@ def adapt(
     bad = [x for x in names if x not in LEARNERS]
     if bad:
         raise InputError(f"unknown learner(s) {', '.join(bad)}: choose from {', '.join(LEARNERS)}")
-    spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source)
+    spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source,
+                          replay_records=replay_records)  # fmt: skip
     tgt, _ = load(target, None)
     result = run_adaptation(tgt, drafter, spec, work, log=log)
     result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])

@@ -89,6 +89,13 @@ def pipeline_run(
         int, typer.Option(help="held-out records per domain for the gate (0: --heldout-fraction of all)")
     ] = 0,
     heldout_fraction: Annotated[float, typer.Option(help="held-out share when no per-domain count")] = 0.2,
+    replay_records: Annotated[
+        int, typer.Option(help="earlier clean records replayed beside the new ones (0: new only)")
+    ] = 0,
+    replay_half_life_s: Annotated[
+        float, typer.Option(help="replay recency: a record's weight halves per this age (seconds)")
+    ] = 86400.0,
+    replay_tenant_cap: Annotated[float, typer.Option(help="the most of the window one tenant fills")] = 0.5,
     min_gain: Annotated[
         float, typer.Option(help="the gate's overall interval must lie above this τ gain (tokens/round)")
     ] = 0.0,
@@ -122,6 +129,9 @@ def pipeline_run(
             gate_min_records=gate_min_records,
             heldout_per_domain=heldout_per_domain,
             heldout_fraction=heldout_fraction,
+            replay_records=replay_records,
+            replay_half_life_s=replay_half_life_s,
+            replay_tenant_cap=replay_tenant_cap,
             concurrency=concurrency,
             max_new_tokens=max_new_tokens,
             gamma=gamma,

@@ -20,15 +20,21 @@ def ingest_op(
     min_records: int,
     heldout_fraction: float,
     heldout_per_domain: int,
+    replay_records: int,
+    replay_half_life_s: float,
+    replay_tenant_cap: float,
     snapshot: Output[Dataset],
 ) -> int:
-    """Clean records no version trained on → train/held-out snapshot with lineage."""
+    """Clean records no version trained on (+ a replay window of earlier ones) → train/held-out
+    snapshot with lineage."""
     from pathlib import Path
 
     from adaflash.components.steps import ingest
+    from adaflash.training.replay import ReplayWindow
 
+    window = ReplayWindow(replay_records, replay_half_life_s, replay_tenant_cap)
     snap = ingest(Path(governance_dir), min_records=min_records, heldout_fraction=heldout_fraction,
-                  heldout_per_domain=heldout_per_domain)  # fmt: skip
+                  heldout_per_domain=heldout_per_domain, replay=window)  # fmt: skip
     snap.save(Path(snapshot.path))
     snapshot.metadata.update(snap.summary())
     return len(snap.train)

@@ -22,7 +22,7 @@ import json
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ from adaflash.errors import AdaFlashError
 from adaflash.feedback.schema import CleanRecord
 from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.lineage import LineageStore
+from adaflash.training.replay import ReplayWindow, replay_sample
 
 if TYPE_CHECKING:  # annotations only: the steps import models and training inside the functions
     from adaflash.models.targets import Target
@@ -79,8 +80,11 @@ def ingest(
     heldout_fraction: float = 0.2,
     seed: int = 0,
     heldout_per_domain: int = 0,
+    replay: ReplayWindow | None = None,
 ) -> Snapshot:
-    """Every clean shard no drafter version has trained on; records split by a seeded shuffle.
+    """Every clean shard no drafter version has trained on; records split by a seeded shuffle;
+    plus, with a `replay` window, earlier clean records (from shards a version already trained
+    on) added to the training side: recency-weighted, capped per tenant (`training/replay.py`).
 
     Held-out records are as recent as the training ones and never trained on, so the shadow
     evaluation sees the traffic the fleet is serving now. `heldout_per_domain` > 0 holds out that
@@ -88,9 +92,11 @@ def ingest(
     some) instead of `heldout_fraction` of all: the gate's evidence per domain is then a stated
     count, not whatever share of a small domain a fraction happens to give.
     """
+    replay = replay or ReplayWindow()
     store = LineageStore(governance_dir / "lineage.sqlite")
     try:
         shards = store.untrained_shards()
+        earlier = store.trained_shards() if replay.max_records else []
     finally:
         store.close()
     buffer = ReplayBuffer(governance_dir / "buffer")
@@ -110,6 +116,10 @@ def ingest(
     else:
         n_held = max(1, int(len(records) * heldout_fraction))
         heldout, train = records[:n_held], records[n_held:]
+    # Replayed records only ever train: the held-out side stays new traffic no version has seen.
+    old = [r for s in earlier for r in buffer.read_shard(buffer.root / s["path"])]
+    replayed = replay_sample(old, replay, seed, exclude={r.record.record_id for r in records})
+    train = train + replayed
     tenants = sorted({r.record.tenant_id for r in records})
     offsets: dict[str, list[int]] = {}
     for r in records:
@@ -120,9 +130,12 @@ def ingest(
         "records": len(records),
         "train_records": len(train),
         "heldout_records": len(heldout),
+        "replayed_records": len(replayed),
         "heldout_by_domain": _count_domains(heldout),
         "train_by_domain": _count_domains(train),
         "train_record_ids": sorted(r.record.record_id for r in train),
+        "replay_record_ids": [r.record.record_id for r in replayed],
+        "replay_window": asdict(replay),
         "tenants": tenants,
         "offsets": offsets,
         "ingested_at": time.time(),

@@ -200,6 +200,14 @@ class LineageStore:
         )
         return [dict(r) for r in self._db.execute(q)]
 
+    def trained_shards(self) -> list[dict]:
+        """Shards some drafter version has already trained on (the replay window's pool)."""
+        q = (
+            "SELECT * FROM shards WHERE shard_id IN (SELECT shard_id FROM trained_on) "
+            "ORDER BY created_at, shard_id"
+        )
+        return [dict(r) for r in self._db.execute(q)]
+
     def records_for_version(self, model_version: str) -> list[str]:
         """Record ids in the shards a drafter version trained on (lineage from a model back)."""
         q = "SELECT record_id FROM trained_records WHERE model_version = ? ORDER BY record_id"

@@ -141,6 +141,9 @@ def _build(profile: Profile):
                 min_records=p["min_records"],
                 heldout_fraction=p["heldout_fraction"],
                 heldout_per_domain=p["heldout_per_domain"],
+                replay_records=p["replay_records"],
+                replay_half_life_s=p["replay_half_life_s"],
+                replay_tenant_cap=p["replay_tenant_cap"],
             )
             champ = champion_op(
                 target=p["target"], tracking_uri=p["tracking_uri"], fallback_dir=p["fallback_drafter"]
@@ -187,6 +190,9 @@ def _build(profile: Profile):
             min_records: int = 128,
             heldout_fraction: float = 0.2,
             heldout_per_domain: int = 0,
+            replay_records: int = 0,  # earlier clean records replayed per run (training/replay.py)
+            replay_half_life_s: float = 86400.0,
+            replay_tenant_cap: float = 0.5,
             loss: str = "opd",
             epochs: int = 2,
             lr: float = 3e-4,
@@ -215,6 +221,9 @@ def _build(profile: Profile):
         min_records: int = 128,
         heldout_fraction: float = 0.2,
         heldout_per_domain: int = 0,
+        replay_records: int = 0,  # earlier clean records replayed per run (training/replay.py)
+        replay_half_life_s: float = 86400.0,
+        replay_tenant_cap: float = 0.5,
         loss: str = "opd",
         epochs: int = 2,
         lr: float = 3e-4,
