@@ -142,3 +142,46 @@ def test_draft_vocabulary_round_trips_and_limits_proposals_losslessly(tmp_path, 
     (d / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, tiny64.config.vocab_size]}))
     with pytest.raises(CheckpointError, match="sorted, distinct"):
         load_drafter(d)
+
+
+def test_drafter_context_projects_lazily_per_slot_and_equals_the_eager_cache(tiny32):
+    """`DrafterSlots` queues committed rows per slot and projects a slot only when it drafts (or
+    the queue's byte cap is reached). Whatever the order, the cache a draft reads equals the one
+    projecting every row at once would build: reused slots and rewritten positions included."""
+    import torch
+
+    from adaflash.serving.runner import DrafterSlots
+
+    drafter = make_bundle(tiny32, block_size=4, seed=3).drafter
+    width = len(drafter.config.target_layer_ids) * tiny32.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(slot: int, start: int, n: int):
+        return torch.randn(n, width, generator=gen), torch.full((n,), slot), torch.arange(start, start + n)
+
+    # slot 0: prefill 5, commit 2; slot 1: prefill 3; slot 0's positions 5..6 rewritten (a later
+    # round); slot 1 reused by a new request (prefill from 0 again, shorter than the old one).
+    writes = [rows(0, 0, 5) + rows(1, 0, 3), rows(0, 5, 2), rows(0, 5, 3), rows(1, 0, 2)]
+    lazy = DrafterSlots(drafter, 2, 16)
+    eager = DrafterSlots(drafter, 2, 16, flush_bytes=1)  # every extend projects at once
+    for w in writes:
+        if len(w) == 6:  # two segments in one step, as the engine commits them
+            f, s, p = (torch.cat([w[i], w[i + 3]]) for i in range(3))
+        else:
+            f, s, p = w
+        lazy.extend(f, s, p)
+        eager.extend(f, s, p)
+    assert lazy.queued_rows == 5 + 2 + 3 + 2  # slot 1's first occupant's 3 rows were dropped as stale
+    lazy.flush([0])  # slot 0 drafts: only its rows are projected
+    assert lazy.queued_rows == 2 and not any(k[1].any() for k in lazy.k)
+    for k_lazy, k_eager in zip(lazy.k, eager.k, strict=True):
+        assert torch.equal(k_lazy[0, :, :8], k_eager[0, :, :8])
+    lazy.flush()
+    for a, b in zip(lazy.k + lazy.v, eager.k + eager.v, strict=True):  # what each slot's length shows
+        assert torch.equal(a[0, :, :8], b[0, :, :8]) and torch.equal(a[1, :, :2], b[1, :, :2])
+    # The byte cap: a queue past it projects everything without waiting for a draft.
+    capped = DrafterSlots(drafter, 2, 16, flush_bytes=4 * width * 4)
+    capped.extend(*rows(0, 0, 3))
+    assert capped.queued_rows == 3
+    capped.extend(*rows(1, 0, 1))
+    assert capped.queued_rows == 0

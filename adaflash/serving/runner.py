@@ -30,8 +30,9 @@ from adaflash.models.transformer import KVCache, TargetModel
 
 # Segments longer than this get their own attention call (see module docstring).
 LONG_SEGMENT = 32
-# Queued committed rows that make the drafter context project them without waiting for a draft.
-FLUSH_ROWS = 512
+# Bytes of queued committed-row features past which the drafter context projects them all, drafting
+# or not (64 MB: ~9.7k rows of SmolLM2's 3 x 576 fp32 features, a full C = 32 prefill wave).
+FLUSH_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -208,39 +209,64 @@ class DrafterSlots:
 
     A slot's context length always equals the request's committed target length: both grow by
     the anchor plus the accepted drafts of each round. Committed rows' features are projected
-    lazily: `extend` queues them and the projection runs batched when a block is drafted (or the
-    queue is long). A step that drafts nothing (AR rounds of the cost policy) then pays no drafter
-    op at all; the projection is row-wise, so batching it changes no value.
+    lazily and per slot: `extend` queues them under their slot, and a slot's queue is projected
+    (batched with the others drafted in the same step) only when that slot drafts a block. A
+    request that never drafts (an AR round of the cost policy, every round at high load) never
+    pays a drafter op; the projection is row-wise, so batching or delaying it changes no value.
+    The queue is bounded (`flush_bytes`): past it, everything queued is projected at once.
     """
 
-    def __init__(self, drafter: Drafter, slots: int, capacity: int, flush_rows: int = FLUSH_ROWS) -> None:
+    def __init__(self, drafter: Drafter, slots: int, capacity: int, flush_bytes: int = FLUSH_BYTES) -> None:
         c = drafter.config
         self.drafter = drafter
-        self.capacity, self.flush_rows = capacity, flush_rows
+        self.capacity, self.flush_bytes = capacity, flush_bytes
         dtype = drafter.fc.weight.dtype
         shape = (slots, c.num_kv_heads, capacity, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
-        self._queued: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._queued_rows = 0
+        # slot -> its committed rows not yet projected, oldest first: (features [m, n*H], positions [m])
+        self._queued: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._queued_bytes = 0
+
+    @property
+    def queued_rows(self) -> int:
+        return sum(p.numel() for q in self._queued.values() for _, p in q)
 
     def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Queue committed rows' target features [M, n*H] for their slots' context."""
-        if features.shape[0] == 0:
+        """Queue committed rows' target features [M, n*H] under their slots (rows of one slot are
+        contiguous: the engine commits them request by request)."""
+        n = features.shape[0]
+        if n == 0:
             return
-        self._queued.append((features, slot_rows, positions))
-        self._queued_rows += features.shape[0]
-        if self._queued_rows >= self.flush_rows:
+        cuts = (torch.nonzero(slot_rows[1:] != slot_rows[:-1]).flatten() + 1).tolist()
+        bounds = [0, *cuts, n]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            slot = int(slot_rows[a])
+            if int(positions[a]) == 0:  # a new occupant's prefill: the slot's old queue is stale
+                self._drop(slot)
+            self._queued.setdefault(slot, []).append((features[a:b], positions[a:b]))
+            self._queued_bytes += (b - a) * features.shape[1] * features.element_size()
+        if self._queued_bytes >= self.flush_bytes:
             self.flush()
 
+    def _drop(self, slot: int) -> None:
+        for f, _ in self._queued.pop(slot, []):
+            self._queued_bytes -= f.numel() * f.element_size()
+
     @torch.no_grad()
-    def flush(self) -> None:
-        """Project every queued row once into its slot (the newest write of a reused slot's
-        position wins, as it would have step by step)."""
-        if not self._queued:
+    def flush(self, slots: list[int] | None = None) -> None:
+        """Project the queued rows of `slots` (default: every slot) into the context cache, in one
+        batched call. Within a slot the newest write of a position wins, as it would have step by
+        step (a rejected-then-recommitted position, a reused slot)."""
+        keys = list(self._queued) if slots is None else [s for s in dict.fromkeys(slots) if s in self._queued]
+        if not keys:
             return
-        features, slot_rows, positions = (torch.cat(t) for t in zip(*self._queued, strict=True))
-        self._queued, self._queued_rows = [], 0
+        parts = [(f, p, s) for s in keys for f, p in self._queued[s]]
+        for s in keys:
+            self._drop(s)
+        features = torch.cat([f for f, _, _ in parts])
+        positions = torch.cat([p for _, p, _ in parts])
+        slot_rows = torch.cat([torch.full((p.numel(),), s, dtype=torch.long) for _, p, s in parts])
         key = slot_rows * self.capacity + positions
         if torch.unique(key).numel() != key.numel():
             order = torch.arange(key.numel())
@@ -263,7 +289,7 @@ class DrafterSlots:
         Requests are bucketed by context length like the target's attention, so one long
         conversation does not pad every other request's context to its length.
         """
-        self.flush()
+        self.flush(slots.tolist())
         buckets = _span_buckets(list(zip(lengths.tolist(), range(len(lengths)), strict=True)))
         if len(buckets) == 1:
             return self._draft(slots, lengths, block_embeds)
