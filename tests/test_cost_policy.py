@@ -157,9 +157,12 @@ def test_guard_raises_the_price_of_drafts_while_they_deliver_less_than_plain_ste
     assert g.want_plain_step(8)  # nothing measured yet: a plain step first
     g.observe(8, tokens=8, seconds=0.1, speculated=False)  # 80 tok/s plain
     assert not g.want_plain_step(8)
-    for _ in range(10):
+    for _ in range(5):
         g.observe(8, tokens=12, seconds=0.2, speculated=True)  # 60 tok/s with drafts
-    assert g.penalty(8) == pytest.approx(1.15**10, rel=1e-6) and g.penalty(1) == 1.0  # per bucket
+    assert g.penalty(8) == pytest.approx(g.step_up**5, rel=1e-6) and g.penalty(1) == 1.0  # per bucket
+    for _ in range(20):
+        g.observe(8, tokens=12, seconds=0.2, speculated=True)
+    assert g.penalty(8) == g.max_penalty
     for _ in range(40):
         g.observe(8, tokens=30, seconds=0.2, speculated=True)  # 150 tok/s: drafting pays again
     assert g.penalty(8) == 1.0
@@ -187,3 +190,22 @@ def test_target_cost_prices_rows_by_the_requests_they_belong_to():
     assert cost(64, 32) - cost(32, 32) == pytest.approx(0.10)
     cost.observe(64, 32, 0.34)  # an observed step moves the curve at its own level only
     assert cost(64, 32) > 0.24 and cost(64, 1) == pytest.approx(0.10 + 32 * (0.40 / 224))
+
+
+def test_without_a_queue_only_the_longest_requests_draft_and_only_all_together():
+    """No request waiting: the batch runs until its longest request ends, so a draft for a shorter
+    request (or for some of the longest only) saves no step; the plan drafts for every longest
+    request or for none."""
+    from adaflash.serving.costs import Option
+    from adaflash.serving.proposer import Proposer
+
+    def req(done: int) -> Request:
+        r = Request([1, 2, 3], GenParams(max_tokens=40, temperature=0.0))
+        r.output_ids = [7] * done
+        return r
+
+    reqs = [req(10), req(11), req(30)]  # 30, 29 and 10 tokens left: the first two are the longest
+    d, n, none = Option("drafter", 4, 0.0), Option("ngram", 2, 0.0), Option("none", 0, 0.0)
+    assert Proposer._critical(reqs, [d, n, d]) == [d, n, none]  # the short one never drafts
+    assert Proposer._critical(reqs, [d, none, d]) == [none] * 3  # one longest AR round: no step saved
+    assert Proposer._critical(reqs, [none, none, d]) == [none] * 3

@@ -162,7 +162,7 @@ class Engine(StepLoop):
             if r.method in DRAFTER_METHODS:
                 r.drafter_version, r.block_size = self.drafter_version, self.block_size
         stats.prefill_tokens = sum(len(r.prompt_ids) for r in admitted)
-        plan = self.proposer.plan(decoding, stats.prefill_tokens)
+        plan = self.proposer.plan(decoding, stats.prefill_tokens, waiting=bool(self.scheduler.pending))
         segments = [Segment(r.slot, 0, r.prompt_ids) for r in admitted]
         segments += [Segment(r.slot, r.kv_len, t) for r, t in zip(decoding, plan.verify_tokens, strict=True)]
         batch = PackedBatch.build(segments)

@@ -48,6 +48,10 @@ NGRAM_BLOCK = 8  # anchor + up to 7 looked-up drafts when no drafter fixes the b
 # also counts the time the scheduler gave to them, which says nothing about what a draft costs.
 clock = time.process_time
 EXPLORE_EVERY = 32  # steps without a policy drafter forward before one is forced (fresh â)
+# Per load bucket, each exploration that did not win the drafter back doubles the gap to the
+# next one, up to this: at a load where drafting never pays (C >= 8 on this CPU), exploring every
+# 32 steps was a steady ~1.5% tax; a plan that chooses to draft again resets the gap.
+EXPLORE_MAX_GAP = 512
 IDLE_RECHECK = 8  # after this many no-draft plans in a row, only every 8th step is priced
 MEMORY = 0.3  # weight of the newest round in a request's acceptance memory
 
@@ -74,6 +78,7 @@ class Proposer:
         self._penalty = 1.0
         self.steps_since_draft = 0
         self._explore_turn = 0
+        self._explore_gap: dict[int, int] = {}  # per load bucket: steps between forced explorations
         self._idle: dict[int, int] = {}  # per load bucket: plans in a row that chose no draft
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         self._ngram: dict[int, list[int]] = {}  # this step's n-gram proposals (scored in observe)
@@ -170,22 +175,20 @@ class Proposer:
 
     # --- one step's proposals ------------------------------------------------------------------
 
-    def plan(self, decoding: list[Request], base_rows: int) -> Plan:
-        """Proposals for every decoding request. `base_rows`: the step's prefill rows."""
+    def plan(self, decoding: list[Request], base_rows: int, waiting: bool = True) -> Plan:
+        """Proposals for every decoding request. `base_rows`: the step's prefill rows. `waiting`:
+        requests queue for a slot (then a token committed early is worth its rate: it frees the
+        slot sooner); without a queue the policy drafts for the batch's longest requests together
+        or not at all (`_critical`)."""
         n = len(decoding)
         k = self.block_size if self.bundle is not None else NGRAM_BLOCK
         opts: list[Option] = [Option("none", 0, 0.0)] * n
         ngram: dict[int, list[int]] = {}
         fixed = []  # drafter requests of fixed-policy methods
         policy = [i for i, r in enumerate(decoding) if r.method == "adaflash-cost" and self.bundle]
-        in_policy = set(policy)
         for i, r in enumerate(decoding):
-            room = min(k - 1, r.params.max_tokens - len(r.output_ids) - 1)
-            if r.method == "ngram" or (i in in_policy and room > 0):
-                if room > 0:
-                    r.lookup.sync(r.tokens)
-                ngram[i] = r.lookup.propose(room) if room > 0 else []
             if r.method == "ngram":
+                ngram[i] = self._lookup(r, k)
                 opts[i] = Option("ngram", len(ngram[i]), 0.0)
             elif r.method in ("dflash", "adaflash"):
                 if r.skip_drafts > 0:
@@ -195,19 +198,18 @@ class Proposer:
         rate = 0.0
         bucket = SpeculationGuard.bucket(n)
         idle = self._idle.get(bucket, 0)
-        if (
-            policy
-            and idle >= IDLE_RECHECK
-            and idle % IDLE_RECHECK
-            and self.steps_since_draft + 1 < EXPLORE_EVERY
-        ):
+        gap = self._explore_gap.get(bucket, EXPLORE_EVERY)
+        if policy and idle >= IDLE_RECHECK and idle % IDLE_RECHECK and self.steps_since_draft + 1 < gap:
             # Priced out at this load: the last plans chose no draft, so most steps skip pricing
             # (its Python costs a few % of a batch step) and run as AR; every IDLE_RECHECK-th step
-            # prices again, and exploration still comes every EXPLORE_EVERY steps.
+            # prices again, and exploration still comes every `gap` steps.
             self._idle[bucket] = idle + 1
             self.steps_since_draft += 1
         elif policy:
-            cands = [self._candidate(decoding[i], ngram.get(i, []), k) for i in policy]
+            # Looked up only when the step is priced: an idle step (above) skips the per-request
+            # Python; the index catches up with every token the next time it is asked.
+            ngram.update({i: self._lookup(decoding[i], k) for i in policy})
+            cands = [self._candidate(decoding[i], ngram[i], k) for i in policy]
             base = base_rows + n + len(fixed) * (k - 1)
             base += sum(len(ngram[i]) for i in range(n) if decoding[i].method == "ngram")
             self._penalty = self.guard.penalty(n)
@@ -215,11 +217,16 @@ class Proposer:
             chosen, rate = choose(
                 cands, self.costs, base, float(n), len(fixed), penalty=self._penalty, requests=n
             )
-            self._idle[bucket] = idle + 1 if all(o.proposer == "none" for o in chosen) else 0
+            if not waiting and len(policy) > 1:
+                chosen = self._critical([decoding[i] for i in policy], chosen)
+            priced_out = all(o.proposer == "none" for o in chosen)
+            self._idle[bucket] = idle + 1 if priced_out else 0
+            if any(o.proposer == "drafter" for o in chosen):
+                self._explore_gap[bucket] = EXPLORE_EVERY  # the drafter pays here again
             self.steps_since_draft += 1
             if self.guard.want_plain_step(n) and len(policy) == n and not base_rows:
                 chosen = [Option("none", 0, 0.0)] * len(policy)  # measure what plain steps deliver
-            elif self.steps_since_draft >= EXPLORE_EVERY:  # keep â and the drafter's stats fresh
+            elif self.steps_since_draft >= gap:  # keep â and the drafter's stats fresh
                 # One request drafts its full room, in turn: a fresh â and acceptance sample for
                 # the price of one block, not a batch of full-block verifies.
                 able = [j for j, c in enumerate(cands) if c.drafter_limit]
@@ -227,6 +234,7 @@ class Proposer:
                     j = able[self._explore_turn % len(able)]
                     self._explore_turn += 1
                     chosen[j] = Option("drafter", cands[j].drafter_limit, 0.0)
+                    self._explore_gap[bucket] = min(2 * gap, EXPLORE_MAX_GAP)
             for i, o in zip(policy, chosen, strict=True):
                 opts[i] = o
             if any(o.proposer == "drafter" for o in chosen):
@@ -265,6 +273,30 @@ class Proposer:
         cu = torch.zeros(n + 1, dtype=torch.long)
         cu[1:] = torch.tensor(khat).cumsum(0)
         return Plan(verify_tokens, khat, a_hat, proposer, drafts, d_probs, cu)
+
+    @staticmethod
+    def _critical(reqs: list[Request], chosen: list[Option]) -> list[Option]:
+        """With no request waiting, the batch decodes in lockstep until its longest request ends:
+        a draft for a shorter request, or for only some of the longest, saves no step and makes
+        every step dearer (measured: C = 8 one-wave cells lost 12% to AR while the per-step rate
+        gained 4%). So only the longest requests (within 2 tokens of the most remaining) draft,
+        and only when the plan drafts for every one of them; otherwise the step runs plain.
+        Exploration (after this) still samples the drafter now and then."""
+        left = [r.params.max_tokens - len(r.output_ids) for r in reqs]
+        longest = max(left)
+        critical = [n >= longest - 2 for n in left]
+        if all(o.proposer != "none" for o, c in zip(chosen, critical, strict=True) if c):
+            return [o if c else Option("none", 0, 0.0) for o, c in zip(chosen, critical, strict=True)]
+        return [Option("none", 0, 0.0)] * len(reqs)
+
+    @staticmethod
+    def _lookup(r: Request, k: int) -> list[int]:
+        """The request's n-gram drafts: as many as the block and its remaining tokens allow."""
+        room = min(k - 1, r.params.max_tokens - len(r.output_ids) - 1)
+        if room <= 0:
+            return []
+        r.lookup.sync(r.tokens)
+        return r.lookup.propose(room)
 
     def _candidate(self, r: Request, ngram: list[int], k: int) -> Candidate:
         room = max(0, min(k - 1, r.params.max_tokens - len(r.output_ids) - 1))
