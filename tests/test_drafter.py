@@ -124,8 +124,8 @@ def test_draft_vocabulary_round_trips_and_limits_proposals_losslessly(tmp_path, 
         engine = Engine(tiny64, loaded, EngineConfig(method="dflash", max_running=4), "v1")
         plans = []
 
-        def spy(*args, plan=engine.proposer.plan, plans=plans):
-            plans.append(plan(*args))
+        def spy(*args, plan=engine.proposer.plan, plans=plans, **kwargs):
+            plans.append(plan(*args, **kwargs))
             return plans[-1]
 
         engine.proposer.plan = spy

@@ -1,0 +1,366 @@
+"""`adaflash bench`: methods × concurrency × domains on ONE engine, same prompts, one run.
+
+Each cell drives the engine in-process with `concurrency` closed-loop clients (a client submits
+its next prompt as soon as its previous one finishes) over the same held-out prompts, so
+speedup = TPS(method) / TPS(ar) compares like with like. No HTTP in the loop: the bench measures
+the engine, not uvicorn. Per cell: TPS (output tokens / wall time, prefill included), speedup vs
+AR, τ (tokens per round incl. bonus), mean verified length k̂, P50/P95/P99 end-to-end latency,
+TTFT, ITL (gaps between the token *chunks* a streaming client receives: a round's accepted
+tokens arrive together) and TPOT, and how many outputs equal AR's.
+
+Also (`bench.peers`): our AR against `transformers` `generate` at equal batch and llama.cpp at
+batch 1 on the same prompts, the machine's bandwidth and matmul bounds with the fraction our AR
+reaches, the peak RSS of the process after the grid, optionally the peak RSS of a real `adaflash serve` under
+C concurrent clients, and PNG plots (speedup vs concurrency; acceptance by block position; â vs
+a* calibration from fixed-k rounds, which are not censored by k̂): `bench.serving_report` writes them.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaflash.bench.peers import (
+    gguf_path,
+    hf_generate_tps,
+    hf_model,
+    llamacpp_available,
+    llamacpp_tps,
+    machine_bounds,
+    roofline,
+)
+from adaflash.models.checkpoint import DrafterBundle
+from adaflash.models.targets import Target
+from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
+from adaflash.workloads import DOMAINS, interleave, load_prompts
+
+
+@dataclass
+class BenchSpec:
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "adaflash"])
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    domains: list[str] = field(default_factory=lambda: ["math", "code", "chat", "blend"])
+    prompts_per_cell: int = 0  # 0: max(concurrency, min_prompts)
+    min_prompts: int = 4
+    max_new_tokens: int = 64
+    gamma: float = 1.0
+    probe_every: int = 1  # EngineConfig.probe_every (1 = the published method)
+    hf_baseline: bool = True
+    llamacpp: bool = True  # llama.cpp at C = 1 when llama-cpp-python is installed (else a note)
+    bounds: bool = True  # the machine's bandwidth/matmul bounds and our AR's fraction of them
+    repeats: int = 1  # runs per cell (alternating method order); the fastest stands for the cell
+    data_dir: Path | None = None
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def workload(target: Target, spec: BenchSpec, n: int) -> dict[str, list[tuple[str, list[int]]]]:
+    """Held-out prompts per domain (the last ones: bootstrap evaluation uses the first)."""
+    held = load_prompts("heldout", spec.data_dir)
+    tok = target.tokenizer
+    by = {d: [(p.id, tok.chat_prompt(p.text)) for p in reversed(held[d])] for d in DOMAINS}
+    out = {}
+    for d in spec.domains:
+        if d == "blend":
+            rows = interleave({k: [p for p in reversed(held[k])] for k in DOMAINS})
+            out[d] = [(p.id, tok.chat_prompt(p.text)) for p in rows[:n]]
+        else:
+            out[d] = by[d][:n]
+    return out
+
+
+def run_cell(
+    engine: Engine, prompts: list[list[int]], method: str, concurrency: int, max_new: int
+) -> tuple[dict, list[list[int]]]:
+    done: list[Request] = []
+    engine.observers.append(done.append)
+    try:
+        todo = list(prompts)
+        reqs: list[Request] = []
+        inflight = 0
+        steps = 0
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        while todo or inflight:
+            while todo and inflight < concurrency:
+                reqs.append(engine.submit(Request(todo.pop(0), GenParams(max_new, 0.0, method=method))))
+                inflight += 1
+            before = len(done)
+            if engine.step() is not None:
+                steps += 1
+            inflight -= len(done) - before
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+    finally:
+        engine.observers.remove(done.append)
+    rounds = [rd for r in reqs for rd in r.rounds]
+    tokens = sum(len(r.output_ids) for r in reqs)
+    chunk_gaps: list[float] = []
+    for r in reqs:
+        times = sorted(set(r.token_times))
+        chunk_gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    tpot = [(r.e2e - r.ttft) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    e2e = [r.e2e for r in reqs]
+    ttft = [r.ttft for r in reqs]
+    cell = {
+        "method": method,
+        "concurrency": concurrency,
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "steps": steps,
+        "wall_s": wall,
+        # CPU seconds / wall seconds of this process: < torch threads means something else ran.
+        "cpu_share": cpu / wall,
+        "tps": tokens / wall,
+        # Tokens per CPU-second of this process: with one torch thread, what a time-sliced (shared)
+        # machine does not distort; memory-bandwidth contention still does.
+        "tps_cpu": tokens / max(cpu, 1e-9),
+        "tau": sum(rd.accepted + 1 for rd in rounds) / max(len(rounds), 1),
+        "mean_verify_len": sum(rd.verify_len for rd in rounds) / max(len(rounds), 1),
+        "ttft_s": {"p50": _pct(ttft, 50), "p95": _pct(ttft, 95), "p99": _pct(ttft, 99)},
+        "e2e_s": {"p50": _pct(e2e, 50), "p95": _pct(e2e, 95), "p99": _pct(e2e, 99)},
+        "itl_s": {"p50": _pct(chunk_gaps, 50), "p95": _pct(chunk_gaps, 95), "p99": _pct(chunk_gaps, 99)},
+        "tpot_s": {"p50": _pct(tpot, 50), "p95": _pct(tpot, 95), "p99": _pct(tpot, 99)},
+        "rounds": [(rd.verify_len, rd.accepted, rd.a_hat) for rd in rounds],
+    }
+    return cell, [r.output_ids for r in reqs]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log=print) -> dict:
+    n_cell = {c: spec.prompts_per_cell or max(c, spec.min_prompts) for c in spec.concurrency}
+    prompts = workload(target, spec, max(n_cell.values()))
+    longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
+    engine = Engine(
+        target,
+        bundle,
+        EngineConfig(
+            method=spec.methods[-1],
+            gamma=spec.gamma,
+            max_running=max(spec.concurrency),
+            max_queue=max(spec.concurrency),
+            max_model_len=longest + spec.max_new_tokens + 1,
+            step_token_budget=max(spec.concurrency) * (bundle.config.block_size if bundle else 1),
+            shadow_a_hat=True,
+            probe_every=spec.probe_every,
+        ),
+        drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
+    )
+    # Warm-up: first calls allocate and pick kernels; keep them out of every cell.
+    for m in spec.methods:
+        run_cell(engine, [prompts[spec.domains[0]][0][1]], m, 1, 4)
+    cells = []
+    for domain in spec.domains:
+        for conc in spec.concurrency:
+            rows = [ids for _, ids in prompts[domain][: n_cell[conc]]]
+            runs: dict[str, list[tuple[dict, list[list[int]]]]] = {m: [] for m in spec.methods}
+            # Repeats alternate the method order (forward, reversed, ...) so that a drift of the
+            # machine's speed does not favour whichever method runs first.
+            for rep in range(spec.repeats):
+                for method in spec.methods if rep % 2 == 0 else spec.methods[::-1]:
+                    runs[method].append(run_cell(engine, rows, method, conc, spec.max_new_tokens))
+            for method in spec.methods:
+                # The fastest run stands for the cell: on a shared machine noise only slows a run.
+                cell, _ = max(runs[method], key=lambda run: run[0]["tps"])
+                cell["domain"] = domain
+                cell["tps_runs"] = [c["tps"] for c, _ in runs[method]]
+                if "ar" in runs:  # every run of every method, against AR's first
+                    ref = runs["ar"][0][1]
+                    cell["identical_to_ar"] = min(
+                        sum(a == b for a, b in zip(outs, ref, strict=True)) for _, outs in runs[method]
+                    )
+                cells.append(cell)
+                log(
+                    f"{domain:6s} C={conc:<3d} {method:9s} {cell['tps']:8.2f} tok/s  τ={cell['tau']:.3f}  "
+                    f"k̂={cell['mean_verify_len']:.2f}  wall={cell['wall_s']:.1f}s  "
+                    f"cpu={cell['cpu_share']:.2f}  runs={'/'.join(f'{t:.1f}' for t in cell['tps_runs'])}"
+                )
+    for c in cells:
+        ar = next(
+            (
+                x
+                for x in cells
+                if x["method"] == "ar" and x["domain"] == c["domain"] and x["concurrency"] == c["concurrency"]
+            ),
+            None,
+        )
+        c["speedup_vs_ar"] = c["tps"] / ar["tps"] if ar else None
+        c["speedup_cpu_vs_ar"] = c["tps_cpu"] / ar["tps_cpu"] if ar else None
+    result = {
+        "spec": {**asdict(spec), "data_dir": str(spec.data_dir) if spec.data_dir else None},
+        "target": target.name,
+        "drafter": str(bundle.path) if bundle is not None and bundle.path else None,
+        "block_size": bundle.config.block_size if bundle else None,
+        "dtype": str(target.model.dtype),
+        "machine": machine(),
+        "cells": cells,
+        "peak_rss_mb_after_grid": peak_rss_mb(),
+        "prompts": {d: [pid for pid, _ in rows] for d, rows in prompts.items()},
+    }
+    if spec.hf_baseline and "ar" in spec.methods:
+        log("transformers.generate baseline ...")
+        model = hf_model(target)
+        dom = "blend" if "blend" in prompts else spec.domains[0]
+        base = []
+        for conc in spec.concurrency:
+            rows = [ids for _, ids in prompts[dom][: n_cell[conc]]]
+            hf = hf_generate_tps(model, target, rows, conc, spec.max_new_tokens)
+            ours = next(
+                x for x in cells if x["method"] == "ar" and x["domain"] == dom and x["concurrency"] == conc
+            )
+            base.append({**hf, "domain": dom, "ours_ar_tps": ours["tps"], "ratio": ours["tps"] / hf["tps"]})
+            log(f"HF generate batch {conc}: {hf['tps']:.2f} tok/s vs our AR {ours['tps']:.2f}")
+        result["hf_baseline"] = base
+    ours = {(c["domain"], c["concurrency"], c["method"]): c for c in cells}
+    if spec.bounds and "ar" in spec.methods:
+        log("machine bounds (read bandwidth, matmul) ...")
+        dom = "blend" if "blend" in prompts else spec.domains[0]
+        # Decode throughput (C / TPOT P50, gpt-fast's view): prefill is neither a weight stream
+        # per output token nor counted in output tokens.
+        tpot = {c: (ours.get((dom, c, "ar")) or {}).get("tpot_s", {}).get("p50") for c in (1, 32)}
+        c1, c32 = (c / tpot[c] if tpot[c] else None for c in (1, 32))
+        result["roofline"] = {"domain": dom, **roofline(target, c1, c32, machine_bounds(target.model.dtype))}
+    if spec.llamacpp and "ar" in spec.methods and 1 in spec.concurrency:
+        result["llamacpp"] = llamacpp_rows(target, bundle, spec, prompts, n_cell[1], ours, log)
+    return result
+
+
+def llamacpp_rows(target, bundle, spec: BenchSpec, prompts, n: int, ours: dict, log) -> dict:
+    """llama.cpp plain and prompt-lookup decoding at batch 1, per domain, next to our C = 1 cells."""
+    gguf = gguf_path(target)
+    why = llamacpp_available() or (None if gguf else f"target {target.name!r} has no GGUF file")
+    if why:
+        log(f"llama.cpp peer skipped: {why}")
+        return {"skipped": why}
+    lookup = bundle.config.block_size if bundle is not None else 8  # the same draft length as ours
+    rows = []
+    for dom in spec.domains:
+        ids = [p for _, p in prompts[dom][:n]]
+        for k in (0, lookup):
+            row = llamacpp_tps(gguf, ids, spec.max_new_tokens, torch.get_num_threads(), k)
+            row["domain"] = dom
+            row["ours"] = {m: ours[(dom, 1, m)]["tps"] for m in spec.methods if (dom, 1, m) in ours}
+            rows.append(row)
+            log(f"{dom:6s} C=1   {row['peer']:28s} {row['tps']:8.2f} tok/s")
+    return {"rows": rows}
+
+
+def machine() -> dict:
+    import os
+
+    cpu = ""
+    try:
+        cpu = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if "model name" in ln
+            ),
+            "",
+        )
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def serve_peak_rss(
+    target: str, drafter: Path | None, prompts: list[str], concurrency: int, max_tokens: int, log=print
+) -> dict:
+    """Start a real `adaflash serve`, hit it with `concurrency` clients, read its VmHWM."""
+    import asyncio
+    import os
+
+    import httpx
+
+    from adaflash.feedback.broker import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "adaflash.cli",
+        "serve",
+        "--target",
+        target,
+        "--port",
+        str(port),
+        "--max-running",
+        str(concurrency),
+        "--max-queue",
+        str(concurrency),
+    ]
+    cmd += ["--drafter", str(drafter)] if drafter is not None else ["--method", "ar"]
+    env = {**os.environ, "ADAFLASH_ADMIN_TOKEN": ""}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"adaflash serve exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("adaflash serve did not come up in 300 s")
+            time.sleep(0.5)
+        rss_idle = _vm(proc.pid, "VmRSS")
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=1200) as c:
+                body = {"max_tokens": max_tokens, "temperature": 0}
+                return await asyncio.gather(
+                    *(
+                        c.post(
+                            "/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": p}], **body},
+                        )
+                        for p in prompts[:concurrency]
+                    )
+                )
+
+        t0 = time.perf_counter()
+        codes = [r.status_code for r in asyncio.run(burst())]
+        wall = time.perf_counter() - t0
+        out = {
+            "concurrency": concurrency,
+            "codes": sorted(set(codes)),
+            "wall_s": wall,
+            "rss_idle_mb": rss_idle,
+            "peak_rss_mb": _vm(proc.pid, "VmHWM"),
+        }
+        log(f"serve at C={concurrency}: peak RSS {out['peak_rss_mb']:.0f} MB (idle {rss_idle:.0f} MB)")
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _vm(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

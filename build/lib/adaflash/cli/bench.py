@@ -1,0 +1,128 @@
+"""`adaflash bench`, `compare` and `adapt`: the serving benchmark, a quick method comparison, and
+the online-adaptation experiment. Results are files (JSON, markdown, plots); progress goes to stderr."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from adaflash.cli._common import DtypeOpt, PromptsDirOpt, TargetOpt, console, csv, load, log
+from adaflash.errors import InputError
+
+app = typer.Typer()
+
+
+@app.command()
+def compare(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path, typer.Option(help="drafter dir")] = Path("drafters/smollm2"),
+    prompts_per_domain: Annotated[int, typer.Option()] = 3,
+    max_new_tokens: Annotated[int, typer.Option()] = 96,
+) -> None:
+    """Compare ar / dflash / adaflash on held-out prompts with one drafter, batch 1, greedy."""
+    from adaflash.bench.compare import run_comparison
+
+    tgt, bundle = load(target, drafter)
+    run_comparison(tgt, bundle, prompts_per_domain, max_new_tokens, console)
+
+
+@app.command()
+def bench(
+    out: Annotated[Path, typer.Option(help="directory for results.json/.md and plots")],
+    target: TargetOpt = "smollm2",
+    dtype: DtypeOpt = "float32",
+    drafter: Annotated[Path | None, typer.Option(help="drafter directory")] = None,
+    methods: Annotated[str, typer.Option(help="comma-separated")] = "ar,dflash,adaflash",
+    concurrency: Annotated[str, typer.Option(help="comma-separated client counts")] = "1,8,32",
+    domains: Annotated[str, typer.Option(help="math,code,chat,blend")] = "math,code,chat,blend",
+    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    prompts_per_cell: Annotated[int, typer.Option(help="0: max(C, --min-prompts)")] = 0,
+    min_prompts: Annotated[int, typer.Option()] = 4,
+    gamma: Annotated[float, typer.Option()] = 1.0,
+    probe_every: Annotated[int, typer.Option(help="after k̂=1, skip the drafter for N-1 rounds")] = 1,
+    hf_baseline: Annotated[bool, typer.Option(help="also time transformers.generate at equal batch")] = True,
+    llamacpp: Annotated[
+        bool, typer.Option(help="also time llama.cpp at batch 1 on the target's GGUF (`make bench-peers`)")
+    ] = True,
+    bounds: Annotated[
+        bool, typer.Option(help="measure the machine's bandwidth/matmul bounds and AR's fraction of them")
+    ] = True,
+    serve_rss: Annotated[
+        int, typer.Option(help="also measure `serve`'s peak RSS at this concurrency (0: skip)")
+    ] = 0,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="runs per cell, method order alternating; the fastest is reported")
+    ] = 1,
+    data_dir: PromptsDirOpt = None,
+) -> None:
+    """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
+    from adaflash.bench.serving import BenchSpec, run_bench, serve_peak_rss
+    from adaflash.bench.serving_report import write_outputs
+
+    spec = BenchSpec(
+        methods=csv(methods),
+        concurrency=[int(c) for c in csv(concurrency)],
+        domains=csv(domains),
+        prompts_per_cell=prompts_per_cell,
+        min_prompts=min_prompts,
+        max_new_tokens=max_new_tokens,
+        gamma=gamma,
+        probe_every=probe_every,
+        hf_baseline=hf_baseline,
+        llamacpp=llamacpp,
+        bounds=bounds,
+        repeats=repeats,
+        data_dir=data_dir,
+    )
+    if any(m != "ar" for m in spec.methods) and drafter is None:
+        raise InputError("methods other than ar need --drafter DIR")
+    tgt, bundle = load(target, drafter, dtype)
+    result = run_bench(tgt, bundle, spec, log=log)
+    if serve_rss:
+        from adaflash.workloads import interleave, load_prompts
+
+        texts = [p.text for p in interleave(load_prompts("heldout", data_dir))][:serve_rss]
+        result["serve_rss"] = serve_peak_rss(target, drafter, texts, serve_rss, max_new_tokens, log)
+    for f in write_outputs(result, out):
+        console.print(str(f))
+
+
+@app.command()
+def adapt(
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[Path, typer.Option(help="the bootstrap drafter every learner starts from")] = Path(
+        "drafters/smollm2"
+    ),
+    rounds: Annotated[int, typer.Option(help="rounds of shifted traffic")] = 6,
+    per_round: Annotated[int, typer.Option(help="new prompts served per round")] = 16,
+    concurrency: Annotated[int, typer.Option()] = 8,
+    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    epochs: Annotated[int, typer.Option(help="online training epochs per round")] = 2,
+    lr: Annotated[float, typer.Option()] = 3e-4,
+    learners: Annotated[str, typer.Option(help="comma list of osd, adaflash")] = "osd,adaflash",
+    source: Annotated[str, typer.Option(help="held-out prompt-id prefix of the new domain")] = "humaneval",
+    replay_records: Annotated[
+        int, typer.Option(help="earlier rounds' records replayed per round, capped per tenant (0: new only)")
+    ] = 0,
+    out: Annotated[Path, typer.Option(help="JSON + markdown + plot")] = Path("benchmarks/online"),
+    work: Annotated[Path, typer.Option(help="per-learner governance dirs and drafters")] = Path(
+        ".adaflash/adapt"
+    ),
+) -> None:
+    """Online adaptation experiment: OSD vs AdaFlash retraining on shifted traffic, DFlash fixed."""
+    from adaflash.bench.adaptation import LEARNERS, AdaptationSpec, run_adaptation, write_outputs
+
+    names = csv(learners)
+    bad = [x for x in names if x not in LEARNERS]
+    if bad:
+        raise InputError(f"unknown learner(s) {', '.join(bad)}: choose from {', '.join(LEARNERS)}")
+    spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source,
+                          replay_records=replay_records)  # fmt: skip
+    tgt, _ = load(target, None)
+    result = run_adaptation(tgt, drafter, spec, work, log=log)
+    result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])
+    for f in write_outputs(result, out):
+        console.print(str(f))

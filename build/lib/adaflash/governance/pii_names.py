@@ -1,0 +1,246 @@
+"""Person names in free text: the name lexicon (first and last names of ~80 locales from
+faker's data, an English word list), a score for a capitalised run, and the rules that find names
+— capitalised runs, names after cues (titles, `Author:`, `Signed-off-by:`), JSON name keys and CSV
+name columns. Part of the second PII pass (`pii_rules.second_pass`)."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from adaflash.governance.pii_spans import Hit
+
+
+@lru_cache(maxsize=1)
+def name_lexicon() -> tuple[frozenset[str], frozenset[str]]:
+    """First and last names (Latin and other scripts) from faker's person data for every locale."""
+    import importlib
+    import pkgutil
+
+    import faker.providers.person as person
+
+    first: set[str] = set()
+    last: set[str] = set()
+    for mod_info in pkgutil.iter_modules(person.__path__):
+        prov = importlib.import_module(f"faker.providers.person.{mod_info.name}").Provider
+        for attr in dir(prov):
+            if attr.endswith("formats") or not attr.startswith(
+                ("first_name", "last_name", "first_romanized", "last_romanized")
+            ):
+                continue
+            v = getattr(prov, attr)
+            if not isinstance(v, tuple | list | dict):
+                continue
+            target = first if attr.startswith("first") else last
+            for n in v.keys() if isinstance(v, dict) else v:
+                if isinstance(n, str):
+                    target.update(p for p in re.split(r"[\s\-]+", n) if len(p) >= 2 and p.isalpha())
+    return frozenset(first - _NEVER_NAMES), frozenset(last - _NEVER_NAMES)
+
+
+# Capitalised words that are never a person here: code/tech vocabulary, weekdays, months, TODO markers.
+TECH_WORDS = {
+    "Todo", "TODO", "Fixme", "FIXME", "Java", "JavaScript", "Python", "Ruby", "Rust", "Swift", "Kotlin",
+    "Scala", "Perl", "Julia", "Dart", "Elixir", "Swing", "React", "Angular", "Django", "Flask", "Node",
+    "Spring", "Linux", "Windows", "Excel", "Word", "True", "False", "None", "Null", "String", "Integer",
+    "Float", "Boolean", "Array", "List", "Stack", "Queue", "Product", "Item", "Customer", "Employee",
+    "Student", "User", "Person", "Male", "Female", "Age", "Name", "Hello", "World", "Fibonacci",
+}  # fmt: skip
+_NEVER_NAMES = TECH_WORDS | {
+    "Todo", "TODO", "Fixme", "FIXME", "Xxx", "XXX", "Hack", "HACK", "Note", "NOTE", "Bug", "Java",
+    "Python", "Ruby", "Rust", "Swift", "Kotlin", "Scala", "Perl", "Julia", "Dart", "Elixir", "Go",
+    "List", "Stack", "Queue", "Case", "Page", "Long", "Max", "Min", "Sort", "Key", "Value", "Node",
+    "Map", "Set", "Array", "Table", "Tree", "Graph", "Link", "Test", "Data", "Image", "Color", "Price",
+    "Cash", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday", "January",
+    "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "December", "True", "False", "None", "Null", "String", "Integer", "Float", "Boolean", "Hello",
+    "World", "Will", "Can", "Young", "Green", "White", "Black", "Brown", "Grey", "Gray", "Rose",
+    "Hope", "Faith", "Joy", "Summer", "Winter", "Autumn", "Spring", "Dawn", "Sky", "Star", "Sun",
+    "Moon", "Lane", "Street", "Road", "Hall", "Park", "Church", "King", "Queen", "Prince", "Duke",
+    "Earl", "Lord", "God", "Jesus", "Christ", "English", "French", "German", "Spanish", "Chinese",
+    "Says", "Said", "Mr", "Mrs", "Ms", "Dr", "Prof", "Sir", "The", "And", "But", "For", "With",
+    "From", "Dear", "Thanks", "Regards", "Hi", "Hey", "Class", "Object", "Function", "Method",
+    "Number", "Total", "Sum", "Average", "Mean", "Count", "Index", "Input", "Output", "Print",
+    "Return", "Write", "Read", "Create", "Find", "Given", "Make", "Let", "Use", "Add", "Get", "Run",
+    "Email", "Phone", "Name", "Address", "Author", "Contact", "Date", "Time", "Day", "Week", "Year",
+    "Month", "Hour", "Minute", "Second", "Bill", "Mark", "Grant", "Bob", "Alice", "Eve", "Carol",
+    "Dave", "Mallory", "Trent", "Peggy", "Victor", "Oscar", "Trudy", "Sybil", "Walter", "Wendy",
+}  # fmt: skip
+# Example names of protocol descriptions and test strings: not persons when they stand alone.
+# (Common real first names such as John or David are not here: "David Smith" is a person.)
+EXAMPLE_NAMES = {
+    "Alice", "Bob", "Carol", "Charlie", "Dave", "Eve", "Mallory", "Trent", "Peggy", "Victor", "Walter",
+    "Oscar", "Trudy", "Sybil", "Wendy", "Heidi", "Judy", "Foo", "Bar", "Baz", "Qux",
+}  # fmt: skip
+EXAMPLE_FULL = {"John Doe", "Jane Doe", "Joe Bloggs", "Max Mustermann", "Erika Mustermann", "John Q. Public"}
+_PARTICLES = {
+    "de", "da", "do", "dos", "das", "del", "della", "di", "du", "van", "von", "der", "den", "ter",
+    "ten", "bin", "binti", "ibn", "al", "el", "la", "le", "y", "e", "zu", "st",
+}  # fmt: skip
+_TITLES = (
+    r"Mr|Mrs|Ms|Mx|Miss|Dr|Prof|Professor|Sir|Dame|Herr|Frau|Mme|Mlle|Mm|Sr|Sra|Srta|Sig|Sig\.ra|Dott|"
+    r"Shri|Smt|Pan|Pani|Sheikh|Rev|Hon|Capt|Col|Gen|Lt|Sgt|Judge|Justice|Senator|Rep|Ustadh|Ustadha|Imam"
+)
+_NAME_TOKEN = r"[A-ZÀ-ÖØ-ÞĀ-ſƀ-ɏḀ-ỿ][^\W\d_]*(?:['’\-][^\W\d_]+)*"
+_NAME_RUN = re.compile(
+    r"(?<![\w@.])"
+    + _NAME_TOKEN
+    + r"(?:[ \t](?:(?:"
+    + "|".join(sorted(_PARTICLES))
+    + r")[ \t])?"
+    + _NAME_TOKEN
+    + r"){1,4}(?![\w@])"
+)
+_CUE_NAME = re.compile(
+    r"(?:\b(?:" + _TITLES + r")\.?[ \t]+|"
+    r"(?i:\b(?:author|written\s+by|maintained\s+by|created\s+by|authored\s+by|owner|contact|"
+    r"signed-off-by|co-authored-by|reviewed-by|acked-by|tested-by|reported-by|suggested-by|cc|from|to|"
+    r"copyright(?:\s+(?:\(c\)|©))?(?:\s+\d{4}(?:-\d{4})?)?|todo|fixme|per|ask|thanks|"
+    r"first\s+name|last\s+name|surname|given\s+names?|family\s+name|full\s+name|name|customer|"
+    r"patient|employee|applicant|@author)\b\s*[:(]?\s*))"
+    r"("
+    + _NAME_TOKEN
+    + r"(?:[ \t\-]+(?:(?:"
+    + "|".join(sorted(_PARTICLES))
+    + r")[ \t]+)?"
+    + _NAME_TOKEN
+    + r"){0,4})"
+)
+_STRONG_CUE = re.compile(
+    r"(?i:author|written|maintained|created|authored|signed-off-by|co-authored-by|reviewed-by|acked-by|"
+    r"tested-by|reported-by|suggested-by|copyright|todo|fixme|name|surname|given|family|customer|patient|"
+    r"employee|applicant|owner|contact)|^(?:" + _TITLES + r")\b"
+)
+_NAME_KEYS = re.compile(
+    r"[\"']?(?i:first_?name|last_?name|given(?:_?name)?|family(?:_?name)?|surname|full_?name|name|"
+    r"customer|contact|author|owner|user_?name|display_?name|patient|recipient|sender)[\"']?\s*[:=]\s*[\"']"
+    r"([^\"'\n]{2,60})[\"']"
+)
+
+
+@lru_cache(maxsize=1)
+def english_words() -> frozenset[str]:
+    """WordNet lemmas shipped with the spaCy model's rule lemmatizer (no download)."""
+    try:
+        import spacy
+
+        from adaflash.governance.pii import SPACY_MODEL
+
+        nlp = spacy.load(SPACY_MODEL, exclude=["tok2vec", "tagger", "parser", "ner", "attribute_ruler"])
+        table = nlp.get_pipe("lemmatizer").lookups.get_table("lemma_index")
+        return frozenset(w for pos in ("noun", "verb", "adj", "adv") for w in table.get(pos, []))
+    except Exception:  # noqa: BLE001 - without the word list, names are judged by the lexicon only
+        return frozenset()
+
+
+def _is_word(tok: str, words: frozenset[str]) -> bool:
+    w = tok.lower()
+    return w in words or (w.endswith("s") and w[:-1] in words) or (w.endswith("ing") and w[:-3] in words)
+
+
+# Common given names and surnames that are also English words. They never count as a name alone,
+# but in a run of capitalised words they score like a known name that is a word ("Mark King",
+# "Carol White": both parts words, both parts names), so such pairs are masked.
+AMBIGUOUS_NAMES = frozenset(
+    {"Mark", "Carol", "Will", "Young", "Green", "White", "Black", "Brown", "Grey", "Gray", "Rose", "Hope",
+     "Faith", "Joy", "Dawn", "King", "Hall", "Lane", "Summer", "Prince", "Duke", "Earl"}
+)  # fmt: skip
+
+
+def name_score(tokens: list[str]) -> float:
+    """Sum of per-token 'nameness'; 0 when some token can't be part of a name."""
+    first, last = name_lexicon()
+    words = english_words()
+    total = 0.0
+    for t in tokens:
+        if t.lower() in _PARTICLES:
+            continue
+        if t in AMBIGUOUS_NAMES and len(tokens) > 1:
+            total += 0.6
+            continue
+        if t in _NEVER_NAMES or t.isupper() and len(t) > 1:
+            return 0.0
+        known = t in first or t in last
+        word = _is_word(t, words)
+        score = (0.6 if word else 1.0) if known else (0.0 if word else 0.5)
+        if not t.isascii() and not word:
+            score = max(score, 0.8)  # "Wiśniewski", "Østergaard": foreign spelling, not an English word
+        if score == 0.0:
+            return 0.0
+        total += score
+    return total
+
+
+def name_like(tok: str) -> bool:
+    """Could this capitalised word be part of a name next to a caught one?"""
+    if not tok or not tok[0].isupper() or tok in _NEVER_NAMES or (tok.isupper() and len(tok) > 1):
+        return False
+    first, last = name_lexicon()
+    return tok in first or tok in last or not _is_word(tok, english_words())
+
+
+def find_names(text: str, hits: list[Hit]) -> None:
+    for m in _NAME_RUN.finditer(text):
+        toks = m.group(0).split()
+        if m.group(0) in EXAMPLE_FULL:
+            continue
+        if name_score(toks) >= 1.2:
+            hits.append(Hit(m.start(), m.end(), "PERSON", cue=False))
+    for m in _CUE_NAME.finditer(text):
+        cue = text[m.start() : m.start(1)].strip()
+        toks = m.group(1).split()
+        s, e = m.start(1), m.end(1)
+        # Trim trailing words that are not name-like ("Reviewed-by: Thandiwe Nkosi Please").
+        while toks and not name_like(toks[-1].split("-")[-1]) and len(toks) > 1:
+            e -= len(toks[-1]) + 1
+            toks = toks[:-1]
+        if not toks or toks[0] in _NEVER_NAMES:
+            continue
+        if len(toks) == 1 and toks[0] in EXAMPLE_NAMES:
+            continue
+        strong = bool(_STRONG_CUE.search(cue))
+        if strong and (len(toks) > 1 or name_like(toks[0])) or name_score(toks) >= 1.0:
+            hits.append(Hit(s, s + len(" ".join(toks)) if e - s >= len(" ".join(toks)) else e, "PERSON"))
+    for m in _NAME_KEYS.finditer(text):
+        v = m.group(1).strip()
+        toks = v.split()
+        split_field = re.search(r"(?i)first|last|given|family|surname", m.group(0)[: m.start(1) - m.start()])
+        if len(toks) == 1 and not split_field:  # {"name": "John", "age": 30}: example data, not a person
+            continue
+        if 1 <= len(toks) <= 5 and all(t[:1].isupper() for t in toks) and not any(c.isdigit() for c in v):
+            if (
+                v not in EXAMPLE_NAMES
+                and v not in EXAMPLE_FULL
+                and all(len(t) > 1 for t in toks)
+                and (name_score(toks) >= 0.5)
+            ):
+                hits.append(Hit(m.start(1), m.start(1) + len(m.group(1).rstrip()), "PERSON"))
+    _csv_names(text, hits)
+
+
+_CSV_HEADER = re.compile(r"^[a-z][a-z0-9_ ]{0,30}$")
+
+
+def _csv_names(text: str, hits: list[Hit]) -> None:
+    """A CSV-ish block whose header names a `name` column: that column's cells are names."""
+    lines = text.split("\n")
+    pos = 0
+    offsets = []
+    for line in lines:
+        offsets.append(pos)
+        pos += len(line) + 1
+    for i, line in enumerate(lines[:-1]):
+        cols = [c.strip().lower() for c in line.split(",")]
+        if len(cols) < 2 or not any("name" in c for c in cols) or not all(_CSV_HEADER.match(c) for c in cols):
+            continue
+        idx = [j for j, c in enumerate(cols) if "name" in c]
+        for k in range(i + 1, len(lines)):
+            cells = lines[k].split(",")
+            if len(cells) != len(cols) or any(c in lines[k] for c in "\"':{}[]="):
+                break
+            start = offsets[k]
+            for j, cell in enumerate(cells):
+                if j in idx and cell.strip():
+                    lead = len(cell) - len(cell.lstrip())
+                    hits.append(Hit(start + lead, start + lead + len(cell.strip()), "PERSON"))
+                start += len(cell) + 1

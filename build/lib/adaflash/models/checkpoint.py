@@ -1,0 +1,216 @@
+"""Drafter checkpoints on disk.
+
+A drafter directory is a public DFlash checkpoint plus two files of ours beside it:
+
+  config.json               DFlash format (`architectures: ["DFlashDraftModel"]`, `block_size`,
+                            `num_target_layers`, `dflash_config.{target_layer_ids,mask_token_id}`)
+  model.safetensors         `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`
+  length_head.safetensors   the adaptive length head (SGLang would silently drop extra tensors
+                            in model.safetensors, so it lives in its own file)
+  adaflash.json             metadata: target fingerprint/name, length-head shape, lineage
+
+Loading checks everything against the target it will run with and raises `CheckpointError`
+with a one-line reason on any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adaflash import __version__
+from adaflash.errors import CheckpointError
+from adaflash.models.drafter import Drafter, DrafterConfig
+from adaflash.models.length_head import LengthHead
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+HEAD_WEIGHTS = "length_head.safetensors"
+META = "adaflash.json"
+# The token ids the drafter was trained to propose (its training-softmax vocabulary). Serving
+# computes draft logits over these rows of the LM head only; verification is unaffected (lossless
+# for any proposal distribution), so a cut only changes what can be proposed.
+DRAFT_VOCAB = "draft_vocab.json"
+
+
+@dataclass
+class DrafterMeta:
+    target_fingerprint: str
+    target_name: str
+    target_hidden_size: int
+    target_vocab_size: int
+    length_head_inner: int | None = None
+    lineage: dict = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    code_version: str = __version__
+
+
+@dataclass
+class DrafterBundle:
+    drafter: Drafter
+    length_head: LengthHead | None
+    meta: DrafterMeta
+    path: Path | None = None
+    draft_vocab: torch.Tensor | None = None  # sorted token ids [V'], or None: the whole vocabulary
+
+    @property
+    def config(self) -> DrafterConfig:
+        return self.drafter.config
+
+
+def save_drafter(
+    out_dir: Path | str,
+    drafter: Drafter,
+    length_head: LengthHead | None,
+    meta: DrafterMeta,
+    weights_dtype: torch.dtype = torch.float32,
+    extra_files: dict[str, bytes] | None = None,
+    draft_vocab: torch.Tensor | None = None,
+) -> Path:
+    """Write atomically: a reader never sees a half-written directory. `weights_dtype` float16
+    halves the size of a shipped drafter (loading casts back to the serving dtype);
+    `extra_files` (model card, metrics) land in the same atomic swap."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    hf = drafter.config.to_hf()
+    hf["dtype"] = str(weights_dtype).removeprefix("torch.")
+    (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
+    state = {k: v.detach().to(weights_dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    if length_head is not None:
+        head = {k: v.detach().to(torch.float32).contiguous() for k, v in length_head.state_dict().items()}
+        save_file(head, str(tmp / HEAD_WEIGHTS))
+        meta.length_head_inner = length_head.inner_size
+    (tmp / META).write_text(json.dumps(meta.__dict__, indent=2))
+    if draft_vocab is not None:
+        ids = sorted({int(t) for t in draft_vocab.tolist()})
+        (tmp / DRAFT_VOCAB).write_text(json.dumps({"token_ids": ids}))
+    for name, data in (extra_files or {}).items():
+        (tmp / name).write_bytes(data)
+    if out.exists():
+        old = out.parent / f".{out.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"drafter checkpoint is missing {path.name} ({path.parent})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"drafter checkpoint file {path} is corrupt: {e}") from None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.exists():
+        raise CheckpointError(f"drafter checkpoint is missing {path.name} ({path.parent})")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types for truncated/garbled files
+        raise CheckpointError(f"drafter weights {path} are corrupt: {e}") from None
+
+
+def load_drafter(
+    path: Path | str,
+    *,
+    target_fingerprint: str | None = None,
+    target_hidden_size: int | None = None,
+    target_vocab_size: int | None = None,
+    target_num_layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> DrafterBundle:
+    """Load and validate a drafter directory against the target it will run with."""
+    d = Path(path)
+    if not d.is_dir():
+        raise CheckpointError(f"drafter checkpoint {d} does not exist")
+    hf = _read_json(d / CONFIG)
+    if "DFlashDraftModel" not in hf.get("architectures", []):
+        raise CheckpointError(f"{d / CONFIG} is not a DFlash drafter config")
+    try:
+        config = DrafterConfig.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{d / CONFIG} lacks a required field: {e}") from None
+    meta_raw = _read_json(d / META)
+    try:
+        meta = DrafterMeta(**meta_raw)
+    except TypeError as e:
+        raise CheckpointError(f"{d / META} is malformed: {e}") from None
+
+    checks = [
+        ("hidden size", config.hidden_size, target_hidden_size),
+        ("vocab size", config.vocab_size, target_vocab_size),
+        ("number of target layers", config.num_target_layers, target_num_layers),
+    ]
+    for what, mine, theirs in checks:
+        if theirs is not None and mine != theirs:
+            raise CheckpointError(f"drafter {d} does not fit this target: {what} {mine} != target's {theirs}")
+    if target_fingerprint is not None and meta.target_fingerprint != target_fingerprint:
+        raise CheckpointError(
+            f"drafter {d} was trained for target {meta.target_name} "
+            f"(fingerprint {meta.target_fingerprint}), not this one ({target_fingerprint})"
+        )
+
+    drafter = Drafter(config)
+    try:
+        drafter.load_state_dict(_read_tensors(d / WEIGHTS), strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        raise CheckpointError(f"drafter weights in {d} do not match its config: {first}") from None
+    drafter.to(dtype).eval().requires_grad_(False)
+
+    head = None
+    if (d / HEAD_WEIGHTS).exists():
+        head = LengthHead(config.hidden_size, meta.length_head_inner or 256)
+        try:
+            head.load_state_dict(_read_tensors(d / HEAD_WEIGHTS), strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"length head in {d} is malformed: {str(e).splitlines()[0]}") from None
+        head.to(dtype).eval().requires_grad_(False)
+    return DrafterBundle(drafter, head, meta, d, _read_vocab(d / DRAFT_VOCAB, config.vocab_size))
+
+
+def _read_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+    if not path.exists():
+        return None
+    raw = _read_json(path)
+    ids = raw.get("token_ids") if isinstance(raw, dict) else None
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)
+        or ids != sorted(set(ids))
+    ):
+        raise CheckpointError(f"{path} must hold sorted, distinct token ids in [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def load_drafter_for(path: Path | str, target, dtype: torch.dtype | None = None) -> DrafterBundle:
+    """Load a drafter and check it against every property of `target` (a `Target`)."""
+    c = target.config
+    return load_drafter(
+        path,
+        target_fingerprint=target.fingerprint,
+        target_hidden_size=c.hidden_size,
+        target_vocab_size=c.vocab_size,
+        target_num_layers=c.num_layers,
+        dtype=dtype or target.model.dtype,
+    )

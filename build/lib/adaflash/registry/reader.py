@@ -1,0 +1,284 @@
+"""The registry's read side: one target's registered model in MLflow, its versions, aliases and
+history, with MLflow's transport and not-found errors turned into one-line registry errors."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Self
+
+from adaflash.registry.errors import RegistryError, RegistryUnavailableError, UnknownVersionError
+from adaflash.registry.publisher import EventPublisher
+from adaflash.registry.server import health
+from adaflash.registry.versions import (
+    CHAMPION,
+    PENDING,
+    T_ACTION,
+    T_APPROVAL,
+    T_CODE,
+    T_FINGERPRINT,
+    T_REPLACED,
+    T_STATUS,
+    T_TARGET,
+    ActionRecord,
+    VersionInfo,
+    as_version,
+    model_name_for,
+)
+
+
+class RegistryReader:
+    """One target's drafters in MLflow, read side: the connection, MLflow's errors as ours,
+    versions, aliases and the action history. `RegistryClient` adds the actions."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        target_fingerprint: str,
+        target_name: str = "",
+        *,
+        bootstrap_servers: str | None = None,
+        model_name: str | None = None,
+        download_dir: Path | None = None,
+        check_drafter: Callable[[Path], None] | None = None,
+    ) -> None:
+        """`check_drafter(dir)`: the full checkpoint check the servers run on reload (load every
+        tensor, match the target); `register` runs it before creating a version and refuses a
+        drafter it raises on. The registry stays a client of MLflow: the caller supplies it."""
+        self.check_drafter = check_drafter
+        # Process-wide MLflow knobs, set only if the user has not: few HTTP retries (the default
+        # backoff retries a dead server for minutes), no progress bars in CLI output.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        self.tracking_uri = tracking_uri.rstrip("/")
+        if self.tracking_uri.startswith("http") and not health(self.tracking_uri):
+            raise RegistryUnavailableError(
+                f"MLflow at {self.tracking_uri} is unreachable: start it with "
+                "`adaflash registry server start` or pass --tracking-uri"
+            )
+        from mlflow import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self.target_fingerprint = target_fingerprint
+        self.target_name = target_name
+        self.model_name = model_name or model_name_for(target_fingerprint)
+        self.publisher = EventPublisher(bootstrap_servers)
+        self.download_dir = download_dir or (
+            Path(os.environ.get("ADAFLASH_HOME", ".adaflash")) / "registry" / "downloads"
+        )
+
+    def close(self) -> None:
+        self.publisher.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- MLflow plumbing ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _mlflow(self, what: str) -> Iterator[None]:
+        """Turn MLflow's transport and not-found errors into one-line registry errors."""
+        from mlflow.exceptions import MlflowException
+        from requests.exceptions import RequestException
+
+        try:
+            yield
+        except MlflowException as e:
+            msg = str(e.message).splitlines()[0] if e.message else type(e).__name__
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise UnknownVersionError(f"{what}: {msg}") from None
+            if "Max retries exceeded" in msg or "Connection" in msg:
+                raise RegistryUnavailableError(
+                    f"MLflow at {self.tracking_uri} stopped answering ({what})"
+                ) from None
+            raise RegistryError(f"{what} failed: {msg}") from None
+        except RequestException:
+            raise RegistryUnavailableError(
+                f"MLflow at {self.tracking_uri} stopped answering ({what})"
+            ) from None
+
+    def _ensure_model(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_registered_model(self.model_name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            with self._mlflow("create registered model"):
+                self._client.create_registered_model(
+                    self.model_name,
+                    tags={T_FINGERPRINT: self.target_fingerprint, T_TARGET: self.target_name},
+                    description=(
+                        f"AdaFlash drafters for target {self.target_name or '?'} "
+                        f"(fingerprint {self.target_fingerprint}). Aliases: champion = served, "
+                        "challenger = latest candidate, previous_champion = what rollback restores. "
+                        "Approve a pending challenger by setting its tag adaflash.approval=approved."
+                    ),
+                )
+
+    def _experiment_id(self) -> str:
+        # One experiment per registered model: its runs are the drafters' registration runs and the
+        # append-only action history.
+        exp = self._client.get_experiment_by_name(self.model_name)
+        if exp is not None:
+            return exp.experiment_id
+        return self._client.create_experiment(
+            self.model_name, tags={T_FINGERPRINT: self.target_fingerprint, T_TARGET: self.target_name}
+        )
+
+    def _aliases(self) -> dict[str, str]:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            rm = self._client.get_registered_model(self.model_name)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return {}
+            raise
+        return {a: as_version(v) for a, v in rm.aliases.items()}
+
+    def _model_version(self, version: str):
+        from mlflow.exceptions import MlflowException
+
+        with self._mlflow(f"{self.model_name} version {version}"):
+            try:
+                return self._client.get_model_version(self.model_name, version)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+        raise UnknownVersionError(f"{self.model_name} has no version {version} (`adaflash registry list`)")
+
+    def _set_tags(self, version: str, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self._client.set_model_version_tag(self.model_name, version, k, v)
+
+    def _set_alias(self, alias: str, version: str | None) -> None:
+        from mlflow.exceptions import MlflowException
+
+        if version is not None:
+            self._client.set_registered_model_alias(self.model_name, alias, version)
+            return
+        try:
+            self._client.delete_registered_model_alias(self.model_name, alias)
+        except MlflowException:
+            pass  # already absent
+
+    def _info(self, mv, aliases: dict[str, str]) -> VersionInfo:
+        version = as_version(mv.version)
+        tags = dict(mv.tags or {})
+        return VersionInfo(
+            model_name=self.model_name,
+            version=version,
+            aliases=sorted(a for a, v in aliases.items() if v == version),
+            status=tags.get(T_STATUS, "registered"),
+            approval=tags.get(T_APPROVAL),
+            created_at=datetime.fromtimestamp(mv.creation_timestamp / 1000, UTC),
+            source=mv.source,
+            run_id=mv.run_id or None,
+            code_version=tags.get(T_CODE),
+            metrics={
+                k.removeprefix("adaflash.metric."): v
+                for k, v in tags.items()
+                if k.startswith("adaflash.metric.")
+            },
+            lineage={
+                k.removeprefix("adaflash.lineage."): v
+                for k, v in tags.items()
+                if k.startswith("adaflash.lineage.")
+            },
+            description=mv.description or "",
+            tags=tags,
+        )
+
+    # -- reads ------------------------------------------------------------------------------------------
+    def resolve(self, ref: str | int) -> str:
+        """A version number ("3", 3, "v3") or an alias ("champion") -> an existing version string."""
+        ref = as_version(ref).strip()
+        if ref.removeprefix("v").isdigit():
+            version = ref.removeprefix("v")
+            self._model_version(version)
+            return version
+        aliases = self._aliases()
+        if ref not in aliases:
+            known = ", ".join(f"{a}=v{v}" for a, v in sorted(aliases.items())) or "none"
+            raise UnknownVersionError(
+                f"{self.model_name} has no version with alias {ref!r} (aliases: {known})"
+            )
+        return aliases[ref]
+
+    def versions(self) -> list[VersionInfo]:
+        """Every version, newest first, with its aliases."""
+        with self._mlflow("list versions"):
+            aliases = self._aliases()
+            mvs = self._client.search_model_versions(f"name = '{self.model_name}'")
+        infos = [self._info(mv, aliases) for mv in mvs]
+        return sorted(infos, key=lambda i: int(i.version), reverse=True)
+
+    def show(self, ref: str | int) -> VersionInfo:
+        version = self.resolve(ref)
+        with self._mlflow("show version"):
+            # get_model_version returns aliases, but the registered model's map is the one source.
+            return self._info(self._model_version(version), self._aliases())
+
+    def report(self, ref: str | int, name: str) -> dict | None:
+        """A JSON report logged with the version at registration (`register(reports=...)`), e.g.
+        the shadow gate's "shadow_report"; None when the version has none."""
+        import json
+        import tempfile
+
+        version = self.resolve(ref)
+        with self._mlflow(f"read {name} of v{version}"):
+            run_id = self._model_version(version).run_id
+            if not run_id or f"{name}.json" not in {f.path for f in self._client.list_artifacts(run_id)}:
+                return None
+            with tempfile.TemporaryDirectory() as tmp:
+                path = self._client.download_artifacts(run_id, f"{name}.json", tmp)
+                return json.loads(Path(path).read_text())
+
+    def champion(self) -> str | None:
+        return self._aliases().get(CHAMPION)
+
+    def pending_approvals(self) -> list[VersionInfo]:
+        return [v for v in self.versions() if (v.approval or "").lower() == PENDING]
+
+    def history(self) -> list[ActionRecord]:
+        """Every recorded action, oldest first."""
+        with self._mlflow("read history"):
+            exp = self._client.get_experiment_by_name(self.model_name)
+            if exp is None:
+                return []
+            runs, token = [], None
+            while True:
+                page = self._client.search_runs(
+                    [exp.experiment_id], filter_string=f"tags.`{T_ACTION}` != ''", page_token=token
+                )
+                runs.extend(page)
+                token = page.token
+                if not token:
+                    break
+        out = []
+        for r in runs:
+            t = r.data.tags
+            out.append(
+                ActionRecord(
+                    at=datetime.fromisoformat(t["adaflash.at"]),
+                    action=t[T_ACTION],
+                    version=t.get("adaflash.version", ""),
+                    who=t.get("adaflash.who", ""),
+                    reason=t.get("adaflash.reason", ""),
+                    alias=t.get("adaflash.alias") or None,
+                    replaced_version=t.get(T_REPLACED) or None,
+                    event_id=t.get("adaflash.event_id", ""),
+                    event_published=t.get("adaflash.event_published") == "true",
+                    run_id=r.info.run_id,
+                )
+            )
+        return sorted(out, key=lambda a: a.at)

@@ -1,0 +1,165 @@
+"""Feedback gateway: an OpenAI-compatible reverse proxy that turns any backend's traffic into feedback.
+
+Requests are forwarded unchanged to the upstream (SGLang, vLLM or our engine) and its response is
+returned byte for byte — streamed chunks as they arrive. When a request finishes, the gateway
+builds one `FeedbackRecord` from (prompt, output) with the target's tokenizer and hands it to the
+spooling producer off the request path. The trainer recomputes everything else from the text, so
+records from a fleet that reports no speculative rounds are as trainable as our engine's (with
+random anchors). The tenant comes from the API key; a request without a known key is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from adaflash.feedback.schema import FeedbackRecord, Latency, SamplingParams
+from adaflash.models.targets import Vocabulary
+from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
+
+
+@dataclass
+class GatewaySettings:
+    upstream: str  # base URL of an OpenAI-compatible server, e.g. http://sglang:30000
+    api_keys: dict[str, str]  # API key -> tenant id
+    drafter_version: str | None = None  # what the fleet serves, when the upstream does not say
+    method: str = "dflash"  # what the fleet runs (SGLang DFLASH = fixed k)
+    block_size: int = 16
+    timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+
+def _unauthorized(msg: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg, "type": "authentication_error"}}, status_code=401)
+
+
+def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAPI:
+    """`send(record)` queues a FeedbackRecord (a `FeedbackProducer.send`)."""
+    app = FastAPI(title="AdaFlash feedback gateway")
+    client = httpx.AsyncClient(base_url=settings.upstream.rstrip("/"), timeout=settings.timeout_s)
+    tok = vocab.tokenizer
+
+    def tenant_of(req: Request) -> str | None:
+        auth = req.headers.get("authorization", "")
+        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        return settings.api_keys.get(key)
+
+    def record(body: dict, chat: bool, output: str, upstream_meta: dict, tenant: str, consent: bool,
+               t0: float, t_first: float | None) -> FeedbackRecord:  # fmt: skip
+        if chat:
+            msgs = [ChatMessage(**m) for m in body.get("messages", [])]
+            prompt_ids = chat_prompt_ids(tok, msgs)
+        else:
+            prompt_ids = tok.encode(str(body.get("prompt", "")))
+        out_ids = upstream_meta.get("token_ids") or tok.encode(output)
+        now = time.perf_counter()
+        meta = upstream_meta.get("adaflash") or {}
+        return FeedbackRecord(
+            request_id=upstream_meta.get("id") or uuid.uuid4().hex,
+            tenant_id=tenant,
+            consent=consent,
+            domain=body.get("metadata", {}).get("domain") if isinstance(body.get("metadata"), dict) else None,
+            target_fingerprint=vocab.fingerprint,
+            drafter_version=meta.get("drafter_version") or settings.drafter_version,
+            method=settings.method,
+            block_size=settings.block_size,
+            sampling=SamplingParams(
+                temperature=float(body.get("temperature", 1.0)),
+                top_p=float(body.get("top_p", 1.0)),
+                max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
+                seed=body.get("seed"),
+            ),
+            prompt_text=tok.decode(prompt_ids),
+            output_text=tok.decode(out_ids),
+            prompt_token_ids=prompt_ids,
+            output_token_ids=out_ids,
+            latency=Latency(ttft_ms=((t_first or now) - t0) * 1e3, e2e_ms=(now - t0) * 1e3),
+            finish_reason=upstream_meta.get("finish_reason") or "stop",
+        )
+
+    async def proxy(req: Request, path: str, chat: bool) -> Response:
+        tenant = tenant_of(req)
+        if tenant is None:
+            return _unauthorized("a valid API key is required (Authorization: Bearer KEY)")
+        raw = await req.body()
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError:
+            return JSONResponse(
+                {"error": {"message": "body is not JSON", "type": "invalid_request_error"}}, 400
+            )
+        consent = req.headers.get("x-feedback-consent", "true").lower() != "false"
+        headers = {"content-type": "application/json", "x-tenant-id": tenant}
+        t0 = time.perf_counter()
+        upstream = client.build_request("POST", path, content=raw, headers=headers)
+        resp = await client.send(upstream, stream=True)
+        if not body.get("stream"):
+            data = await resp.aread()
+            await resp.aclose()
+            if resp.status_code == 200:
+                parsed = json.loads(data)
+                choice = parsed["choices"][0]
+                text = choice["message"]["content"] if chat else choice["text"]
+                meta = {
+                    "id": parsed.get("id"),
+                    "token_ids": choice.get("token_ids"),
+                    "finish_reason": choice.get("finish_reason"),
+                    "adaflash": parsed.get("adaflash"),
+                }
+                send(record(body, chat, text or "", meta, tenant, consent, t0, None))
+            return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+        async def relay() -> AsyncIterator[bytes]:
+            text, ids, meta, t_first, buf = [], [], {}, None, b""
+            try:
+                async for chunk in resp.aiter_raw():
+                    t_first = t_first or time.perf_counter()
+                    yield chunk  # unchanged, as it arrives
+                    buf += chunk
+                    *events, buf = buf.split(b"\n\n")
+                    for ev in events:
+                        line = ev.strip()
+                        if not line.startswith(b"data:") or line == b"data: [DONE]":
+                            continue
+                        part = json.loads(line[5:])
+                        meta["id"] = meta.get("id") or part.get("id")
+                        meta["adaflash"] = part.get("adaflash") or meta.get("adaflash")
+                        for c in part.get("choices", []):
+                            delta = c.get("delta", {}).get("content") if chat else c.get("text")
+                            text.append(delta or "")
+                            ids.extend(c.get("token_ids") or [])
+                            meta["finish_reason"] = c.get("finish_reason") or meta.get("finish_reason")
+            finally:
+                await resp.aclose()
+            if resp.status_code == 200:
+                meta["token_ids"] = ids or None
+                send(record(body, chat, "".join(text), meta, tenant, consent, t0, t_first))
+
+        return StreamingResponse(
+            relay(), status_code=resp.status_code, media_type=resp.headers.get("content-type")
+        )
+
+    @app.post("/v1/completions")
+    async def completions(req: Request) -> Response:
+        return await proxy(req, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: Request) -> Response:
+        return await proxy(req, "/v1/chat/completions", chat=True)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "upstream": settings.upstream}
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        await client.aclose()
+
+    return app

@@ -1,0 +1,157 @@
+"""The serving processes as `adaflash serve`, `adaflash gateway` and `adaflash fleet run` start them:
+wire the parts together, serve in the foreground until stopped, and tear down in reverse order.
+
+    serve        engine (+ step-loop watchdog) → feedback emitter → HTTP app → champion follower
+    gateway      spooling feedback producer → proxy app in front of an OpenAI-compatible fleet
+    fleet run    fleet controller + /healthz → champion follower that applies each promotion
+
+The CLI only parses options and loads the target; everything a running server is made of is put
+together here, so a reader finds one place per process. Imports stay inside the functions: the
+gateway and the fleet controller never load torch's engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaflash.errors import InputError
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class ServeOptions:
+    """How `serve` faces the world; the engine's own knobs are its `EngineConfig`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "adaflash"  # the model id the API reports
+    bootstrap_servers: str | None = None  # Kafka for feedback records; None: no feedback
+    spool_dir: Path = Path(".adaflash/spool")  # feedback spool while Kafka is unreachable
+    follow_registry: str | None = None  # MLflow URL: serve its champion, reload on every change
+    admin_token: str | None = None  # None: the admin API (POST /admin/drafter/reload) is disabled
+
+
+def exit_when_engine_dies(engine, log: Log) -> None:
+    """A step loop that gave up (repeated failed steps) cannot recover in-process: exit non-zero so
+    the supervisor (`adaflash up`, systemd, Kubernetes) restarts the server instead of leaving a
+    process that answers /health 503 forever."""
+
+    def watch() -> None:
+        engine._thread.join()
+        if engine.failure is not None:
+            log(f"error: the engine's step loop stopped: {engine.failure!r}; exiting")
+            os._exit(70)  # EX_SOFTWARE
+
+    threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
+
+
+def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptions, log: Log) -> None:
+    """Run the OpenAI-compatible server on `target` (+ `bundle`, loaded from `drafter_dir`) until
+    interrupted."""
+    import uvicorn
+
+    from adaflash.serving.engine import Engine
+    from adaflash.serving.reload import drafter_version
+    from adaflash.serving.server import ServerSettings, create_app
+
+    engine = Engine(target, bundle, engine_cfg, drafter_version(bundle, drafter_dir) if bundle else None)
+    emitter = None
+    if opts.bootstrap_servers:
+        from adaflash.feedback.producer import FeedbackProducer, ProducerConfig
+        from adaflash.serving.feedback_emitter import FeedbackEmitter
+
+        producer = FeedbackProducer(ProducerConfig(opts.bootstrap_servers, opts.spool_dir))
+        emitter = FeedbackEmitter(engine, producer)
+    app = create_app(
+        engine,
+        ServerSettings(model_name=opts.model_name, admin_token=opts.admin_token),
+        feedback=emitter.producer if emitter is not None else None,
+    )
+    engine.start()
+    exit_when_engine_dies(engine, log)
+    follower = None
+    if opts.follow_registry:
+        from adaflash.serving.champion_follower import ChampionFollower
+
+        if not opts.bootstrap_servers:
+            raise InputError(
+                "--follow-registry needs --bootstrap-servers (promotions arrive as Kafka events)"
+            )
+        follower = ChampionFollower(
+            app.state.reloader, opts.bootstrap_servers, opts.follow_registry, target.fingerprint
+        )
+        follower.start()  # subscribe first, so a promotion during the initial download is not missed
+        live = follower.load_champion()
+        log(f"following the champion at {opts.follow_registry}: " + (live or "none yet"))
+    log(
+        f"serving {target.name} ({engine_cfg.method}, drafter {engine.drafter_version}) on "
+        f"http://{opts.host}:{opts.port}"
+        + ("" if opts.admin_token else " — admin API disabled (set ADAFLASH_ADMIN_TOKEN)")
+    )
+    try:
+        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning")
+    finally:
+        if follower is not None:
+            follower.stop()
+        engine.stop()
+        if emitter is not None:
+            emitter.close()
+
+
+def read_api_keys(path: Path) -> dict[str, str]:
+    """The gateway's `{api_key: tenant_id}` file; a one-line InputError when it is not one."""
+    try:
+        keys = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read API keys from {path}: {e}") from None
+    if not isinstance(keys, dict) or not keys:
+        raise InputError(f"{path} must hold a non-empty JSON object {{api_key: tenant_id}}")
+    return keys
+
+
+def gateway(settings, target: str, bootstrap_servers: str, spool_dir: Path, host: str, port: int,
+            log: Log) -> None:  # fmt: skip
+    """Proxy `settings.upstream` on host:port, one feedback record per finished request."""
+    import uvicorn
+
+    from adaflash.feedback.producer import FeedbackProducer, ProducerConfig
+    from adaflash.models.targets import load_vocabulary
+    from adaflash.serving.gateway import create_gateway
+
+    producer = FeedbackProducer(ProducerConfig(bootstrap_servers, spool_dir))
+    app = create_gateway(settings, load_vocabulary(target), producer.send)
+    log(f"gateway for {settings.upstream} on http://{host}:{port} ({len(settings.api_keys)} API keys)")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        producer.close()
+
+
+def fleet_controller(config: Path, health_port: int, log: Log) -> None:
+    """Follow adaflash.drafter.events and make every champion change live on the fleet, forever."""
+    import time
+
+    from adaflash.models.targets import load_vocabulary
+    from adaflash.serving.champion_follower import ChampionFollower
+    from adaflash.serving.fleet import FleetConfig, FleetController, serve_health
+
+    cfg = FleetConfig.load(config)
+    fingerprint = load_vocabulary(cfg.target).fingerprint
+    controller = FleetController(cfg, fingerprint)
+    serve_health(health_port, controller)
+    follower = ChampionFollower(
+        None, cfg.bootstrap_servers, cfg.tracking_uri, fingerprint, apply=controller.apply
+    )
+    follower.start()
+    log(f"fleet controller: {len(cfg.backends)} backend(s), health on :{health_port}")
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        follower.stop()

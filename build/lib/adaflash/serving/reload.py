@@ -1,0 +1,102 @@
+"""Drafter hot reload: load and validate off the step loop, swap atomically between steps.
+
+`DrafterReloader.reload(path)` loads the checkpoint on its own thread (`load_drafter_for` checks
+the target fingerprint, shapes and every tensor), so the step loop keeps serving the old drafter
+meanwhile. Only a fully validated bundle is staged; the engine installs it at the next step
+boundary (`Engine.stage_drafter`), so no step ever mixes two drafters. A corrupt or mismatched
+checkpoint raises `CheckpointError` with a one-line reason and the old drafter keeps serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from adaflash.errors import CheckpointError
+from adaflash.models.checkpoint import WEIGHTS, DrafterBundle, load_drafter, load_drafter_for
+
+if TYPE_CHECKING:  # annotations only: `checkpoint_check` is used without loading the engine
+    from adaflash.models.targets import Vocabulary
+    from adaflash.serving.engine import Engine
+    from adaflash.serving.metrics import ServingMetrics
+
+
+def drafter_version(bundle: DrafterBundle, path: Path) -> str:
+    """The registry's version when the checkpoint names one, else dir name + weights hash."""
+    named = bundle.meta.lineage.get("version") if isinstance(bundle.meta.lineage, dict) else None
+    if named:
+        return str(named)
+    digest = hashlib.sha256((path / WEIGHTS).read_bytes()).hexdigest()[:8]
+    return f"{path.name}@{digest}"
+
+
+def load_checked(engine: Engine, path: Path | str) -> DrafterBundle:
+    """Load a drafter for this engine's target; raise CheckpointError when it cannot serve."""
+    bundle = load_drafter_for(Path(path), engine.target, dtype=engine.model.dtype)
+    if engine.config.method == "adaflash" and bundle.length_head is None:
+        raise CheckpointError(f"drafter {path} has no length head, which method 'adaflash' needs")
+    return bundle
+
+
+def checkpoint_check(target: str, vocab: Vocabulary) -> Callable[[Path], None]:
+    """What a server's reload checks (`load_drafter_for`: config, every tensor, fingerprint,
+    shapes), from the target's config alone — so `registry register` refuses what servers would
+    without loading the target's weights."""
+
+    def check(d: Path) -> None:
+        hidden = layers = None
+        if target == "tiny":
+            from adaflash.models.targets import tiny_target
+
+            c = tiny_target().config
+            hidden, layers = c.hidden_size, c.num_layers
+        else:
+            from adaflash.models.targets import smollm2_dir
+
+            cfg = (smollm2_dir() if target == "smollm2" else Path(target).expanduser()) / "config.json"
+            if cfg.is_file():
+                hf = json.loads(cfg.read_text())
+                hidden, layers = hf.get("hidden_size"), hf.get("num_hidden_layers")
+        load_drafter(
+            d,
+            target_fingerprint=vocab.fingerprint,
+            target_vocab_size=vocab.vocab_size,
+            target_hidden_size=hidden,
+            target_num_layers=layers,
+        )
+
+    return check
+
+
+class DrafterReloader:
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-reload")
+        self._lock = threading.Lock()
+
+    def reload(self, path: Path | str, version: str | None = None) -> Future:
+        """Start loading `path`; the future yields the new version or raises CheckpointError."""
+        return self._pool.submit(self._load, Path(path), version)
+
+    def _load(self, path: Path, version: str | None) -> str:
+        with self._lock:  # one reload at a time: the last one staged wins, never a mix
+            try:
+                bundle = load_checked(self.engine, path)
+                version = version or drafter_version(bundle, path)
+            except CheckpointError:
+                if self.metrics is not None:
+                    self.metrics.reloads.labels("rejected").inc()
+                raise
+            self.engine.stage_drafter(bundle, version)
+            if self.metrics is not None:
+                self.metrics.reloads.labels("ok").inc()
+            return version
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
