@@ -51,7 +51,14 @@ class FrozenLinear:
         self.bias = torch.cat(biases) if any(lin.bias is not None for lin in linears) else None
         self.sizes = [lin.out_features for lin in linears]
         self.onednn = _ONEDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if self.onednn else w
+        self.weight = w
+        if self.onednn:
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+            except RuntimeError:
+                # oneDNN's bf16 kernels need AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; a CPU without
+                # them (seen: an EPYC with AVX2 only) runs the plain matmul instead.
+                self.onednn = False
 
     def _versions(self) -> list[tuple[nn.Linear, int, int]]:
         # In-place updates bump `_version`; `.to()` / `load_state_dict` may swap the storage
