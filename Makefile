@@ -84,7 +84,7 @@ bench-peers: setup
 		ls .cache/wheels/llama_cpp_python-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
 			$(PIP) wheel -q --no-deps -w .cache/wheels llama-cpp-python==0.3.36; \
-		$(PIP) install -q -c constraints.txt --find-links .cache/wheels '.[bench]'; }
+		$(PIP) install -q -c constraints.txt --find-links .cache/wheels -e '.[bench]'; }
 
 # The serving benchmark of BENCHMARKS.md (~30 min on 2 cores with one torch thread).
 bench-serving: setup bench-peers
