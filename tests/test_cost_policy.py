@@ -209,3 +209,18 @@ def test_without_a_queue_only_the_longest_requests_draft_and_only_all_together()
     assert Proposer._critical(reqs, [d, n, d]) == [d, n, none]  # the short one never drafts
     assert Proposer._critical(reqs, [d, none, d]) == [none] * 3  # one longest AR round: no step saved
     assert Proposer._critical(reqs, [none, none, d]) == [none] * 3
+
+
+def test_guard_price_drifts_back_during_plain_steps_so_drafting_is_never_locked_out():
+    from adaflash.serving.costs import SpeculationGuard
+
+    g = SpeculationGuard()
+    g.observe(1, tokens=1, seconds=0.05, speculated=False)
+    for _ in range(30):
+        g.observe(1, tokens=1, seconds=0.2, speculated=True)  # a bad spell: the price maxes out
+    assert g.penalty(1) == g.max_penalty
+    steps = 0
+    while g.penalty(1) > 1.0:  # nothing speculates at that price; plain steps alone bring it down
+        g.observe(1, tokens=1, seconds=0.05, speculated=False)
+        steps += 1
+    assert steps < 200

@@ -344,6 +344,11 @@ class SpeculationGuard:
     step_up: float = 1.5
     step_down: float = 1.1
     max_penalty: float = 20.0
+    # Each plain step lets the price drift back ÷1.02 (20× → 1× in ~150 steps): a price that
+    # only speculative steps could lower would lock drafting out for good once a bad spell (or a
+    # harder domain earlier in the same load bucket) had raised it — seen: chat at C = 1 drafted
+    # nothing after code's cells had maxed the bucket's price, though n-gram alone gained 1.23×.
+    idle_decay: float = 1.02
     ar_every: int = 48
     rate: float = 0.2
     buckets: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -371,6 +376,7 @@ class SpeculationGuard:
         b[key] = r if key not in b else (1 - self.rate) * b[key] + self.rate * r
         if not speculated:
             b["since_ar"] = 0.0
+            b["penalty"] = max(b["penalty"] / self.idle_decay, 1.0)
             return
         b["since_ar"] += 1
         if "ar" in b:
