@@ -290,16 +290,21 @@ class Proposer:
         return [Option("none", 0, 0.0)] * len(reqs)
 
     @staticmethod
-    def _lookup(r: Request, k: int) -> list[int]:
+    def _room(r: Request, k: int) -> int:
+        """Drafts a round of this request may verify: the block's k − 1, less near max_tokens."""
+        return max(0, min(k - 1, r.params.max_tokens - len(r.output_ids) - 1))
+
+    @classmethod
+    def _lookup(cls, r: Request, k: int) -> list[int]:
         """The request's n-gram drafts: as many as the block and its remaining tokens allow."""
-        room = min(k - 1, r.params.max_tokens - len(r.output_ids) - 1)
-        if room <= 0:
+        room = cls._room(r, k)
+        if room == 0:
             return []
         r.lookup.sync(r.tokens)
         return r.lookup.propose(room)
 
     def _candidate(self, r: Request, ngram: list[int], k: int) -> Candidate:
-        room = max(0, min(k - 1, r.params.max_tokens - len(r.output_ids) - 1))
+        room = self._room(r, k)
         ng = self.stats["ngram"].survival()
         ng_first = r.accept_ema.get("ngram", self.stats["ngram"].conditional()[0])
         dr = self.stats["drafter"].survival()
