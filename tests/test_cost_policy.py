@@ -211,6 +211,29 @@ def test_without_a_queue_only_the_longest_requests_draft_and_only_all_together()
     assert Proposer._critical(reqs, [none, none, d]) == [none] * 3
 
 
+def test_a_lockstep_plan_is_valued_by_the_expected_minimum_of_its_requests_acceptance():
+    """Without a queue a batch advances by its slowest longest request: eight requests each
+    accepting a first draft with p = 0.6 save 0.6^8 steps, so a plan that pays for itself on the
+    sum of expected tokens (4.8 for ~1.5x the step's time) runs plain; one request drafting alone
+    keeps its draft."""
+    from types import SimpleNamespace
+
+    from adaflash.serving.costs import Candidate, Option, lockstep_gain
+    from adaflash.serving.proposer import Proposer
+
+    assert lockstep_gain([[0.6]] * 8) == pytest.approx(0.6**8)
+    assert lockstep_gain([[0.9, 0.8], [0.5]]) == pytest.approx(0.45)  # min ≤ 1 draft: one term
+    assert lockstep_gain([[0.9, 0.8], [0.5, 0.5]]) == pytest.approx(0.45 + 0.4)
+
+    costs = _costs({1: 0.10, 8: 0.12, 16: 0.15, 64: 0.3}, {1: 0.01, 8: 0.02}, {1: 0.001, 64: 0.01})
+    owner = SimpleNamespace(costs=costs, _penalty=1.0)
+    cand = Candidate([0.6], 1, [], 0)
+    ngram, none = Option("ngram", 1, 0.6), Option("none", 0, 0.0)
+    assert Proposer._lockstep(owner, [cand] * 8, [ngram] * 8, 8, 0, 8) == [none] * 8
+    alone = [ngram] + [none] * 7  # one longest request: its draft saves a wave step with p = 0.6
+    assert Proposer._lockstep(owner, [cand] * 8, alone, 8, 0, 8) == alone
+
+
 def test_guard_price_drifts_back_during_plain_steps_so_drafting_is_never_locked_out():
     from adaflash.serving.costs import SpeculationGuard
 

@@ -69,15 +69,16 @@ def test_records_arrive_exactly_once_after_broker_outage(tiny64, tmp_path):
                     "temperature": 0,
                     "user": "from-user-field",
                 }
-                if i % 2:
-                    body["method"] = "ar"
+                # Every method serving offers emits feedback, adaflash-cost's mixed rounds included.
+                method = "ar" if i % 2 else ("adaflash", "adaflash-cost", "ngram")[i // 2 % 3]
+                body["method"] = method
                 r = c.post("/v1/completions", json=body, headers=headers)
                 assert r.status_code == 200
                 served[r.json()["id"].removeprefix("cmpl-")] = {
                     "tenant": headers.get("X-Tenant-Id", "from-user-field"),
                     "consent": i != 5,
                     "tokens": r.json()["choices"][0]["token_ids"],
-                    "method": "ar" if i % 2 else "adaflash",
+                    "method": method,
                 }
         # Broker down: the step loop kept serving; the records wait in the on-disk spool.
         deadline = time.monotonic() + 60
@@ -105,13 +106,15 @@ def test_records_arrive_exactly_once_after_broker_outage(tiny64, tmp_path):
             assert m.key == want["tenant"].encode() and rec.tenant_id == want["tenant"]
             assert rec.consent is want["consent"] and rec.method == want["method"]
             assert rec.output_token_ids == want["tokens"] and rec.target_fingerprint == tiny64.fingerprint
-            assert rec.drafter_version == ("A" if want["method"] != "ar" else None)
+            assert rec.drafter_version == ("A" if want["method"] not in ("ar", "ngram") else None)
             assert rec.block_size == (4 if want["method"] != "ar" else 1)
             starts = [rd.start for rd in rec.rounds]
             assert starts[0] == 0 and all(
                 b == a.start + a.accepted + 1 for a, b in zip(rec.rounds, starts[1:], strict=False)
             )
             assert all(1 <= rd.verify_len <= rec.block_size for rd in rec.rounds)
+            if want["method"] in ("ar", "adaflash"):
+                assert {rd.proposer for rd in rec.rounds} == {"none" if want["method"] == "ar" else "drafter"}
             assert rec.latency.ttft_ms > 0 and len(rec.latency.itl_ms) == len(rec.output_token_ids) - 1
             assert rec.prompt_text.startswith("record ")
     finally:

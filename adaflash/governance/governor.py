@@ -35,7 +35,6 @@ from adaflash.feedback.schema import (
     Provenance,
     QuarantineReason,
     QuarantineRecord,
-    RoundRecord,
     SchemaError,
     parse_record,
 )
@@ -389,9 +388,7 @@ class Governor:
                 and all(j is not None for j in mapped)
                 and mapped == list(range(mapped[0], mapped[0] + len(mapped)))
             ):
-                rounds.append(
-                    RoundRecord(start=mapped[0], verify_len=r.verify_len, accepted=r.accepted, a_hat=r.a_hat)
-                )
+                rounds.append(r.model_copy(update={"start": mapped[0]}))
         return rec.model_copy(
             update={
                 "prompt_text": sp.text,

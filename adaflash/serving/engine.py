@@ -159,8 +159,7 @@ class Engine(StepLoop):
         stats = StepStats(admitted=len(admitted), running=len(admitted) + len(decoding))
         for r in admitted:
             r.status = Status.RUNNING
-            if r.method in DRAFTER_METHODS:
-                r.drafter_version, r.block_size = self.drafter_version, self.block_size
+            self.proposer.stamp(r)
         stats.prefill_tokens = sum(len(r.prompt_ids) for r in admitted)
         plan = self.proposer.plan(decoding, stats.prefill_tokens, waiting=bool(self.scheduler.pending))
         segments = [Segment(r.slot, 0, r.prompt_ids) for r in admitted]
@@ -246,4 +245,4 @@ class Engine(StepLoop):
                 if r.status is Status.RUNNING and r.kv_len > 0 and r.method in DRAFTER_METHODS]  # fmt: skip
         self.proposer.rebuild(live, self.runner)
         for r in live:
-            r.drafter_version, r.block_size = self.drafter_version, self.block_size
+            self.proposer.stamp(r)

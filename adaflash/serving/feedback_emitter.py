@@ -49,7 +49,13 @@ def build_record(engine: Engine, req: Request) -> FeedbackRecord:
         prompt_token_ids=list(req.prompt_ids),
         output_token_ids=list(req.output_ids),
         rounds=[
-            RoundRecord(start=r.start, verify_len=r.verify_len, accepted=r.accepted, a_hat=r.a_hat)
+            RoundRecord(
+                start=r.start,
+                verify_len=r.verify_len,
+                accepted=r.accepted,
+                a_hat=r.a_hat,
+                proposer=r.proposer,
+            )
             for r in req.rounds
         ],
         latency=latency,

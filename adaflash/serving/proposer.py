@@ -27,6 +27,7 @@ from adaflash.models.packed import fused_linear
 from adaflash.models.transformer import TargetModel
 from adaflash.serving import verifier
 from adaflash.serving.costs import (
+    MARGIN,
     AcceptanceStats,
     Candidate,
     CostCurve,
@@ -36,10 +37,12 @@ from adaflash.serving.costs import (
     TargetCost,
     _pick,
     choose,
+    lockstep_gain,
+    plan_seconds,
     rescaled,
     scaled,
 )
-from adaflash.serving.request import Request
+from adaflash.serving.request import DRAFTER_METHODS, Request
 from adaflash.serving.runner import DrafterSlots, PackedBatch, PackedRunner, Segment
 from adaflash.serving.verifier import Plan
 
@@ -91,6 +94,18 @@ class Proposer:
     def block_size(self) -> int:
         return self.bundle.drafter.block_size if self.bundle else 1
 
+    @property
+    def lookup_block(self) -> int:
+        """Positions an n-gram round verifies at most (anchor included)."""
+        return self.block_size if self.bundle is not None else NGRAM_BLOCK
+
+    def stamp(self, req: Request) -> None:
+        """Record on `req` what serves it: the drafter version and the block its rounds verify."""
+        if req.method in DRAFTER_METHODS:
+            req.drafter_version, req.block_size = self.version, self.block_size
+        elif req.method == "ngram":  # no drafter: lookups verify up to the proposer's block
+            req.drafter_version, req.block_size = None, self.lookup_block
+
     def install(self, bundle: DrafterBundle | None, version: str | None) -> None:
         self.bundle = bundle
         self.version = version if bundle is not None else None
@@ -107,7 +122,7 @@ class Proposer:
         self._reset_stats()
 
     def _reset_stats(self) -> None:
-        k = self.block_size if self.bundle else NGRAM_BLOCK
+        k = self.lookup_block
         self.mean_a_hat = None
         # Optimistic n-gram prior: lookup costs no forward, so it gets tried and measured early.
         self.stats = {
@@ -181,7 +196,7 @@ class Proposer:
         slot sooner); without a queue the policy drafts for the batch's longest requests together
         or not at all (`_critical`)."""
         n = len(decoding)
-        k = self.block_size if self.bundle is not None else NGRAM_BLOCK
+        k = self.lookup_block
         opts: list[Option] = [Option("none", 0, 0.0)] * n
         ngram: dict[int, list[int]] = {}
         fixed = []  # drafter requests of fixed-policy methods
@@ -219,6 +234,7 @@ class Proposer:
             )
             if not waiting and len(policy) > 1:
                 chosen = self._critical([decoding[i] for i in policy], chosen)
+                chosen = self._lockstep(cands, chosen, base, len(fixed), n)
             priced_out = all(o.proposer == "none" for o in chosen)
             self._idle[bucket] = idle + 1 if priced_out else 0
             if any(o.proposer == "drafter" for o in chosen):
@@ -288,6 +304,20 @@ class Proposer:
         if all(o.proposer != "none" for o, c in zip(chosen, critical, strict=True) if c):
             return [o if c else Option("none", 0, 0.0) for o, c in zip(chosen, critical, strict=True)]
         return [Option("none", 0, 0.0)] * len(reqs)
+
+    def _lockstep(
+        self, cands: list[Candidate], chosen: list[Option], base_rows: int, fixed: int, requests: int
+    ) -> list[Option]:
+        """A lockstep plan (`_critical`) advances the batch by 1 + E[min accepted] steps, not by
+        its mean: keep it only if that beats plain decoding's step rate by `MARGIN`."""
+        curves = [(c.drafter_survival if o.proposer == "drafter" else c.ngram_survival)[: o.drafts]
+                  for c, o in zip(cands, chosen, strict=True) if o.proposer != "none"]  # fmt: skip
+        if not curves:
+            return chosen
+        none = [Option("none", 0, 0.0)] * len(chosen)
+        plain = plan_seconds(self.costs, none, base_rows, fixed, self._penalty, requests)
+        sec = plan_seconds(self.costs, chosen, base_rows, fixed, self._penalty, requests)
+        return chosen if (1 + lockstep_gain(curves)) * plain > (1 + MARGIN) * sec else none
 
     @staticmethod
     def _room(r: Request, k: int) -> int:

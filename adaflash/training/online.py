@@ -81,7 +81,8 @@ def served_anchors(rec: CleanRecord, block_size: int) -> tuple[list[int], list[i
             anchors.append(a)
             # A round verified only k̂ positions: past them nothing was rejected by the target, but
             # nothing was accepted either — for OSD they count as rejected, as in a fixed-k verify.
-            accepted.append(min(r.accepted, block_size - 1))
+            # An n-gram or plain round says nothing about the drafter: -1, as an unserved anchor.
+            accepted.append(min(r.accepted, block_size - 1) if r.proposer == "drafter" else -1)
     return anchors, accepted
 
 
