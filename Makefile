@@ -104,10 +104,12 @@ bench-governance: setup
 
 # -- continual training (issue 5) ---------------------------------------------------------------------
 .PHONY: bench-online
-# The online adaptation experiment of BENCHMARKS.md (~70 min on 2 cores with one torch thread).
+# The 10-round shift experiment of BENCHMARKS.md (issue 16; ~100 min on 2 cores, nothing else
+# running). Resumable: rerun the same command after an interruption and it continues.
 bench-online: setup
-	ADAFLASH_THREADS=1 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 6 \
-		--per-round 16 --max-new-tokens 64 --epochs 2 --out benchmarks/online
+	ADAFLASH_THREADS=2 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 10 \
+		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 2 \
+		--out benchmarks/online-shift --work .adaflash/adapt-shift
 
 # -- cluster manifests (issue 7) ----------------------------------------------------------------------
 # `make test` already renders and validates every overlay offline (tests/test_manifests.py) with the

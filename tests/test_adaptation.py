@@ -12,20 +12,26 @@ from tests.conftest import make_bundle
 def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_path, tiny32):
     b = make_bundle(tiny32, block_size=8)
     save_drafter(tmp_path / "boot", b.drafter, b.length_head, b.meta)
-    spec = AdaptationSpec(rounds=2, per_round=4, concurrency=4, max_new_tokens=12, epochs=1)
+    spec = AdaptationSpec(rounds=2, per_round=4, concurrency=4, max_new_tokens=12, epochs=1, c1_prompts=2)
     result = run_adaptation(tiny32, tmp_path / "boot", spec, tmp_path / "work", log=lambda s: None)
 
     r0, r1 = result["rounds"]
     assert r0["prompts"] != r1["prompts"]  # every round serves new traffic
     for row in result["rounds"]:
-        assert set(row["methods"]) == {"ar", "dflash", "osd", "adaflash"}
+        assert set(row["methods"]) == {"ar", "dflash", "frozen-cost", "osd", "fkl", "adaflash"}
         for name, cell in row["methods"].items():
-            assert cell["output_tokens"] > 0
+            assert cell["output_tokens"] > 0 and cell["c1"]["tps"] > 0
             if name != "ar":
-                assert cell["lossless"] == 1.0, (name, row["round"])
-                assert 1.0 <= cell["tau_full"] and cell["tps_vs_ar"] > 0
+                assert cell["lossless"] == 1.0 and cell["c1"]["lossless"] == 1.0, (name, row["round"])
+                assert cell["tps_vs_ar"] > 0 and sum(p["rounds"] for p in cell["proposers"].values()) > 0
+            if name not in ("ar", "frozen-cost"):  # frozen-cost's drafter is dflash's
+                assert 1.0 <= cell["tau_full"]
+        # The length head's reliability bins hold every replayed round of its k̂ walk.
+        for name in ("dflash", "adaflash"):
+            bins = row["methods"][name]["reliability"]
+            assert bins and all(0 <= b["a_hat"] <= 1 and 0 < b["a_star"] <= 1 for b in bins)
     # Round 0's traffic went through governance and trained each learner; round 1 served that drafter.
-    for name, loss in (("osd", "osd"), ("adaflash", "opd")):
+    for name, loss in (("osd", "osd"), ("fkl", "fkl"), ("adaflash", "opd")):
         gov = r0["methods"][name]["governance"]
         assert gov["in"] == 4 and gov["clean"] + gov["quarantined"] == 4 and gov["clean"] >= 1
         assert r0["methods"][name]["training"]["records"] == gov["clean"]
@@ -36,6 +42,21 @@ def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_pa
     assert r1["methods"]["dflash"]["drafter"] == str(tmp_path / "boot")  # the fixed line stays fixed
 
     files = write_outputs(result, tmp_path / "out")
-    assert [f.name for f in files] == ["results.json", "results.md", "online_adaptation.png"]
+    names = ["results.json", "results.md", "online_adaptation.png", "length_head_reliability.png"]
+    assert [f.name for f in files] == names
     md = (tmp_path / "out" / "results.md").read_text()
-    assert md.count("\n| ") == 3  # header + one row per round
+    assert md.count("\n| ") == 6  # two tables: header + one row per round
+
+    # Interrupted after round 0: a rerun continues from the saved state, with round 0's drafters.
+    state_path = tmp_path / "work" / "state.json"
+    state = json.loads(state_path.read_text())
+    state["rows"] = state["rows"][:1]
+    state_path.write_text(json.dumps(state))
+    lines: list[str] = []
+    again = run_adaptation(tiny32, tmp_path / "boot", spec, tmp_path / "work", log=lines.append)
+    assert lines[0].startswith("resuming after round 0")
+    assert again["rounds"][0] == json.loads(json.dumps(r0))
+    assert again["rounds"][1]["methods"]["adaflash"]["drafter"] == str(
+        tmp_path / "work" / "adaflash" / "drafter-r1"
+    )
+    assert again["rounds"][1]["methods"]["adaflash"]["lossless"] == 1.0

@@ -1,22 +1,34 @@
-"""The online adaptation experiment (issue 5 item 6; the paper's Figure 2a on our machine).
+"""The online adaptation experiment (issue 5 item 6, issue 16 item 2; the paper's Figure 2a).
 
 Traffic shifts to a domain the bootstrap drafter never trained on (HumanEval by default). Each
 round serves a fresh slice of that traffic with every method on the same engine, in the same
 process, one after another — so the per-round ratios against plain AR share the machine's state:
 
-  ar        the target alone (the TPS reference and the lossless reference outputs);
-  dflash    the bootstrap drafter, frozen, verifying all k positions (the fixed line);
-  osd       a drafter updated online with the OSD loss (rejected rows only), fixed k;
-  adaflash  a drafter updated online with OPD + the length head, verifying k̂.
+  ar           the target alone (the TPS reference and the lossless reference outputs);
+  dflash       the bootstrap drafter, frozen, verifying all k positions (the fixed line);
+  frozen-cost  the bootstrap drafter, frozen, served like adaflash (the cost-aware policy with its
+               n-gram proposer): what adaflash's serving gets *without* any adaptation;
+  osd          a drafter updated online with the OSD loss (rejected rows only), fixed k;
+  fkl          a drafter updated online with forward KL on every row, fixed k;
+  adaflash     a drafter updated online with OPD + the length head, served with `adaflash-cost`.
+
+Every method serves the round's prompts at the experiment's concurrency (these outputs are the
+feedback the learners train on) and a few of them at C = 1, each bracketed by AR.
 
 The learners then close the loop on what they just served: the engine's feedback records go
-through governance (Presidio scrub, GX checks, filters, buffer, lineage) and the clean ones train
-the drafter for the next round (warm start, `OnlineTrainer`, the pipeline's train step). τ is
-therefore always measured on traffic the drafter has not trained on yet.
+through governance (Presidio scrub, GX checks, filters, buffer, lineage) and the clean ones —
+plus a replay window over earlier rounds' clean records — train the drafter for the next round
+(warm start, `OnlineTrainer`, the pipeline's train step). τ is therefore always measured on
+traffic the drafter has not trained on yet.
 
-Two τ per method and round: `tau_served` (what the engine achieved; for adaflash it is censored
-by k̂) and `tau_full`, the drafter's acceptance over the full block replayed on the AR
-continuation (DESIGN §1's uncensored label) — the drafter's quality independent of k̂.
+Two τ per method and round: `tau` (served: what the engine achieved; for adaflash it is censored
+by k̂ and includes n-gram and plain rounds) and `tau_full`, the drafter's acceptance over the full
+block replayed on the AR continuation (DESIGN §1's uncensored label) — the drafter's quality
+independent of k̂ and of the proposer choice. With a length head: |â − a*| and the reliability
+diagram on the same replay.
+
+The run is resumable: after every round its rows and each learner's state (drafter dir, raw-topic
+offset, replay pool) go to `<work>/state.json`; a rerun with the same spec continues from there.
 """
 
 from __future__ import annotations
@@ -38,7 +50,9 @@ from adaflash.workloads import Prompt, load_prompts
 if TYPE_CHECKING:
     from adaflash.governance.governor import Governor
 
-LEARNERS = {"osd": ("osd", "dflash"), "adaflash": ("opd", "adaflash")}  # name -> (loss, serve method)
+# name -> (loss, serve method)
+LEARNERS = {"osd": ("osd", "dflash"), "fkl": ("fkl", "dflash"), "adaflash": ("opd", "adaflash-cost")}
+METHOD_ORDER = ("ar", "dflash", "frozen-cost", "osd", "fkl", "adaflash")
 
 
 @dataclass
@@ -49,7 +63,7 @@ class AdaptationSpec:
     max_new_tokens: int = 64
     epochs: int = 2
     lr: float = 3e-4
-    learners: list[str] = field(default_factory=lambda: ["osd", "adaflash"])
+    learners: list[str] = field(default_factory=lambda: ["osd", "fkl", "adaflash"])
     source: str = "humaneval"  # prompt-id prefix of the shifted domain inside the held-out sets
     tenants: int = 4
     data_dir: Path | None = None
@@ -57,6 +71,8 @@ class AdaptationSpec:
     # 0 trains on the new records only.
     replay_records: int = 0
     replay_half_life_s: float = 3600.0
+    c1_prompts: int = 4  # the first prompts of each round, also served one at a time (0: no C = 1 cells)
+    frozen_cost: bool = True  # serve the frozen drafter with the cost-aware policy too
 
 
 def shifted_prompts(spec: AdaptationSpec) -> list[Prompt]:
@@ -106,6 +122,11 @@ def serve_records(
         req.domain = domain
         records.append(build_record(engine, req))
     cell.pop("rounds")
+    # Who proposed each round (adaflash-cost mixes drafter, n-gram and plain rounds) and τ per kind.
+    by: dict[str, list[int]] = {}
+    for rd in (rd for r in done for rd in r.rounds):
+        by.setdefault(rd.proposer, []).append(rd.accepted + 1)
+    cell["proposers"] = {k: {"rounds": len(v), "tau": sum(v) / len(v)} for k, v in sorted(by.items())}
     return cell, outputs, records
 
 
@@ -143,6 +164,7 @@ def _full_block_tau(target, bundle: DrafterBundle, passes, starts) -> dict:
         "tau_full": rep["dflash_tau"],
         "tau_adaptive_replay": rep.get("adaflash_tau"),
         "head_mae": rep.get("length_head_mae"),
+        "reliability": rep.get("length_head_reliability"),
         "accept_rate_by_position": rep["accept_rate_by_position"][:4],
     }
 
@@ -150,19 +172,28 @@ def _full_block_tau(target, bundle: DrafterBundle, passes, starts) -> dict:
 class _Loop:
     """One learner's closed loop: its own governance dir, buffer, lineage and drafter lineage."""
 
-    def __init__(self, name: str, target: Target, bootstrap: Path, work: Path, scrubber) -> None:
+    def __init__(
+        self, name: str, target: Target, bootstrap: Path, work: Path, scrubber, saved: dict | None = None
+    ) -> None:
         from adaflash.governance.governor import GovernanceConfig, Governor
 
         self.name, self.target = name, target
         self.loss, self.method = LEARNERS[name]
-        self.dir = bootstrap
-        self.bundle = load_drafter_for(bootstrap, target)
         self.work = work / name
-        shutil.rmtree(self.work, ignore_errors=True)
+        if saved is None:
+            shutil.rmtree(self.work, ignore_errors=True)
+        saved = saved or {"dir": str(bootstrap), "offset": 0, "history": []}
+        self.dir = Path(saved["dir"])
+        self.bundle = load_drafter_for(self.dir, target)
         vocab = Vocabulary(target.name, target.tokenizer, target.config.vocab_size, target.fingerprint)
         self.gov = Governor(GovernanceConfig(data_dir=self.work / "governance"), vocab, scrubber)
-        self.offset = 0
-        self.history: list[CleanRecord] = []  # every earlier round's clean records (the replay pool)
+        self.offset = saved["offset"]
+        # Every earlier round's clean records (the replay pool); scrubbed, like the buffer.
+        self.history: list[CleanRecord] = [CleanRecord.model_validate(h) for h in saved["history"]]
+
+    def state(self) -> dict:
+        return {"dir": str(self.dir), "offset": self.offset,
+                "history": [h.model_dump(mode="json") for h in self.history]}  # fmt: skip
 
     def govern(self, records) -> dict:
         self.clean, summary = govern_records(self.gov, records, self.offset)
@@ -195,6 +226,34 @@ class _Loop:
         }
 
 
+def _cells(
+    target: Target,
+    cells: list[tuple[str, DrafterBundle | None, str]],
+    ids: list[list[int]],
+    concurrency: int,
+    max_new: int,
+    tenants: list[str],
+) -> tuple[dict[str, dict], dict[str, list[FeedbackRecord]], list[list[int]]]:
+    """Serve `ids` with each (name, bundle, method) cell, bracketed by AR before and after (the
+    TPS reference is their mean: a slow spell on this shared machine favours no one). Adds
+    `tps_vs_ar` and `lossless` (share of outputs equal to AR's) to every cell: (cells by name,
+    feedback records by name, AR's outputs)."""
+    serve = (ids, concurrency, max_new, tenants, "code")
+    ar, ref, _ = serve_records(target, None, "ar", *serve)
+    out: dict[str, dict] = {}
+    records: dict[str, list[FeedbackRecord]] = {}
+    for name, bundle, method in cells:
+        cell, outs, records[name] = serve_records(target, bundle, method, *serve)
+        cell["lossless"] = sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref)
+        out[name] = cell
+    ar2, _, _ = serve_records(target, None, "ar", *serve)
+    ar_tps = (ar["tps"] + ar2["tps"]) / 2
+    for cell in out.values():
+        cell["tps_vs_ar"] = cell["tps"] / ar_tps
+    ar_cell = {**ar, "tps": ar_tps, "tps_cells": [ar["tps"], ar2["tps"]], "tps_vs_ar": 1.0}
+    return {"ar": ar_cell, **out}, records, ref
+
+
 def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: Path, log=print) -> dict:
     from adaflash.governance.pii import PiiScrubber
     from adaflash.training.blocks import sequence_pass
@@ -203,44 +262,53 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
     fixed = load_drafter_for(bootstrap, target)
     layer_ids = fixed.drafter.config.target_layer_ids
     scrubber = PiiScrubber()
-    loops = [_Loop(n, target, bootstrap, work, scrubber) for n in spec.learners]
+    spec_json = {**asdict(spec), "data_dir": str(spec.data_dir) if spec.data_dir else None}
+    state_path = work / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else None
+    if state is not None and (state["spec"] != spec_json or state["bootstrap"] != str(bootstrap)):
+        log(f"{state_path}: a different run's state, starting afresh")
+        state = None
+    rows: list[dict] = state["rows"] if state else []
+    if rows:
+        log(f"resuming after round {len(rows) - 1} ({state_path})")
+    loops = [
+        _Loop(n, target, bootstrap, work, scrubber, state["loops"][n] if state else None)
+        for n in spec.learners
+    ]
     tenants = [f"tenant-{i}" for i in range(spec.tenants)]
-    serving = (spec.concurrency, spec.max_new_tokens, tenants, "code")
-    rows = []
-    for r in range(spec.rounds):
+    for r in range(len(rows), spec.rounds):
         batch = prompts[r * spec.per_round : (r + 1) * spec.per_round]
         ids = [target.tokenizer.chat_prompt(p.text) for p in batch]
-        row: dict = {"round": r, "prompts": [p.id for p in batch], "methods": {}}
+        row: dict = {"round": r, "prompts": [p.id for p in batch]}
         t0 = time.perf_counter()
-        ar, ref, _ = serve_records(target, None, "ar", ids, *serving)
-        # One target pass over the served continuations scores every drafter's full block.
+        cells = [("dflash", fixed, "dflash")]
+        if spec.frozen_cost:
+            cells.append(("frozen-cost", fixed, LEARNERS["adaflash"][1]))
+        cells += [(lp.name, lp.bundle, lp.method) for lp in loops]
+        row["methods"], records, ref = _cells(
+            target, cells, ids, spec.concurrency, spec.max_new_tokens, tenants
+        )
+        if spec.c1_prompts:
+            c1, _, _ = _cells(target, cells, ids[: spec.c1_prompts], 1, spec.max_new_tokens, tenants)
+            for name, cell in c1.items():
+                keep = ("tps", "tps_vs_ar", "tau", "lossless", "proposers")
+                row["methods"][name]["c1"] = {k: cell[k] for k in keep if k in cell}
+        # One target pass over AR's continuations scores every drafter's full block.
         seqs = [x + o for x, o in zip(ids, ref, strict=True)]
         passes = [
             p for i in range(0, len(seqs), 8) for p in sequence_pass(target.model, seqs[i : i + 8], layer_ids)
         ]
         starts = [len(x) for x in ids]
-        cells_out: dict[str, dict] = {}
-        cells = [("dflash", fixed, "dflash", None)] + [(lp.name, lp.bundle, lp.method, lp) for lp in loops]
-        for name, bundle, method, lp in cells:
-            cell, outs, records = serve_records(target, bundle, method, ids, *serving)
-            cell.update(_full_block_tau(target, bundle, passes, starts))
-            cell["lossless"] = sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref)
-            cell["drafter"] = str(lp.dir if lp else bootstrap)
-            if lp is not None:
-                lp.records = records
-            cells_out[name] = cell
-        # AR again at the end of the round: the reference is the mean of the two cells that
-        # bracket the others, so a slow spell on this shared machine does not favour anyone.
-        ar2, _, _ = serve_records(target, None, "ar", ids, *serving)
-        ar_tps = (ar["tps"] + ar2["tps"]) / 2
-        row["methods"] = {"ar": {**ar, "tps": ar_tps, "tps_cells": [ar["tps"], ar2["tps"]], "tps_vs_ar": 1.0}}
-        row["methods"].update(cells_out)
-        for name in cells_out:
-            row["methods"][name]["tps_vs_ar"] = row["methods"][name]["tps"] / ar_tps
+        bundles = {"dflash": fixed, **{lp.name: lp.bundle for lp in loops}}
+        for name, bundle in bundles.items():
+            row["methods"][name].update(_full_block_tau(target, bundle, passes, starts))
+            row["methods"][name]["drafter"] = str(
+                next((lp.dir for lp in loops if lp.name == name), bootstrap)
+            )
         log(_round_line(row))
         if r + 1 < spec.rounds:  # the last round's traffic would only train a drafter nobody serves
             for lp in loops:
-                gov = lp.govern(lp.records)
+                gov = lp.govern(records[lp.name])
                 row["methods"][lp.name]["governance"] = gov
                 row["methods"][lp.name]["training"] = lp.train(r, spec)
                 log(
@@ -249,50 +317,79 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
                 )
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
-    return {
-        "spec": {**asdict(spec), "data_dir": str(spec.data_dir) if spec.data_dir else None},
-        "target": target.name,
-        "bootstrap": str(bootstrap),
-        "rounds": rows,
-    }
+        work.mkdir(parents=True, exist_ok=True)
+        state = {"spec": spec_json, "bootstrap": str(bootstrap), "rows": rows,
+                 "loops": {lp.name: lp.state() for lp in loops}}  # fmt: skip
+        state_path.write_text(json.dumps(state))
+    return {"spec": spec_json, "target": target.name, "bootstrap": str(bootstrap), "rounds": rows}
 
 
 def _round_line(row: dict) -> str:
     parts = [f"round {row['round']}:"]
     for name, c in row["methods"].items():
         extra = f" τ_full {c['tau_full']:.3f}" if "tau_full" in c else ""
-        parts.append(f"{name} {c['tps']:.1f} tok/s ({c['tps_vs_ar']:.2f}×) τ {c['tau']:.3f}{extra}")
+        c1 = f" C1 {c['c1']['tps_vs_ar']:.2f}×" if "c1" in c else ""
+        parts.append(f"{name} {c['tps']:.1f} tok/s ({c['tps_vs_ar']:.2f}×{c1}) τ {c['tau']:.3f}{extra}")
     return "  ".join(parts)
+
+
+def _methods(result: dict) -> list[str]:
+    return [m for m in METHOD_ORDER if m in result["rounds"][0]["methods"]]
 
 
 def markdown(result: dict) -> str:
     s = result["spec"]
-    methods = [m for m in ("ar", "dflash", "osd", "adaflash") if m in result["rounds"][0]["methods"]]
+    methods = _methods(result)
+    drafted = [m for m in methods if m != "ar"]
+    c1 = bool(s.get("c1_prompts"))
     lines = [
         f"Shifted domain: `{s['source']}` (held-out, never in the bootstrap's training sets); "
-        f"{s['per_round']} new prompts per round, greedy, concurrency {s['concurrency']}, "
-        f"{s['max_new_tokens']} new tokens; learners retrain {s['epochs']} epochs on the round's "
-        "governed records before the next round. TPS in tok/s (× AR of the same round).",
+        f"{s['per_round']} new prompts per round, greedy, {s['max_new_tokens']} new tokens, served at "
+        f"concurrency {s['concurrency']}"
+        + (f" and the first {s['c1_prompts']} also at C = 1" if c1 else "")
+        + f"; learners retrain {s['epochs']} epochs on the round's governed records"
+        + (f" plus up to {s['replay_records']} replayed earlier ones" if s.get("replay_records") else "")
+        + " before the next round.",
         "",
-        "| round | "
-        + " | ".join(f"{m} TPS" for m in methods)
-        + " | "
-        + " | ".join(f"{m} τ served / full" for m in methods if m != "ar")
-        + " | adaflash k̂ | lossless |",
-        "|" + "---|" * (2 + 2 * len(methods)),
+        f"**Throughput** (tok/s at C = {s['concurrency']}; × AR of the same round"
+        + (", then × AR at C = 1" if c1 else "")
+        + ")",
+        "",
+        "| round | ar | " + " | ".join(drafted) + " | lossless |",
+        "|" + "---|" * (3 + len(drafted)),
     ]
     for row in result["rounds"]:
         ms = row["methods"]
-        tps = [
-            f"{ms[m]['tps']:.1f}" + ("" if m == "ar" else f" ({ms[m]['tps_vs_ar']:.2f}×)") for m in methods
+        cells = [f"{ms['ar']['tps']:.1f}"]
+        for m in drafted:
+            c = f"{ms[m]['tps']:.1f} ({ms[m]['tps_vs_ar']:.2f}×)"
+            if "c1" in ms[m]:
+                c += f" / {ms[m]['c1']['tps_vs_ar']:.2f}×"
+            cells.append(c)
+        lossless = all(ms[m].get("lossless", 1.0) == 1.0 and ms[m].get("c1", {}).get("lossless", 1.0) == 1.0
+                       for m in methods)  # fmt: skip
+        lines.append(f"| {row['round']} | " + " | ".join(cells) + f" | {'yes' if lossless else 'NO'} |")
+    lines += [
+        "",
+        "**Acceptance** (τ served / τ over the full block; adaflash also mean k̂ and |â − a*|)",
+        "",
+        "| round | " + " | ".join(drafted) + " | adaflash k̂ | adaflash \\|â − a*\\| |",
+        "|" + "---|" * (3 + len(drafted)),
+    ]
+    for row in result["rounds"]:
+        ms = row["methods"]
+        tau = [
+            f"{ms[m]['tau']:.3f}" + (f" / {ms[m]['tau_full']:.3f}" if "tau_full" in ms[m] else "")
+            for m in drafted
         ]
-        tau = [f"{ms[m]['tau']:.3f} / {ms[m]['tau_full']:.3f}" for m in methods if m != "ar"]
-        khat = f"{ms['adaflash']['mean_verify_len']:.2f}" if "adaflash" in ms else "–"
-        lossless = all(ms[m].get("lossless", 1.0) == 1.0 for m in methods)
-        lines.append(
-            f"| {row['round']} | " + " | ".join(tps + tau) + f" | {khat} | {'yes' if lossless else 'NO'} |"
-        )
+        ada = ms.get("adaflash", {})
+        khat = f"{ada['mean_verify_len']:.2f}" if ada else "–"
+        mae = f"{ada['head_mae']:.3f}" if ada.get("head_mae") is not None else "–"
+        lines.append(f"| {row['round']} | " + " | ".join(tau) + f" | {khat} | {mae} |")
     return "\n".join(lines) + "\n"
+
+
+_STYLE = {"dflash": "k--", "frozen-cost": "C7-.", "osd": "C0-o", "fkl": "C2-^", "adaflash": "C3-s"}
 
 
 def plots(result: dict, out: Path) -> list[Path]:
@@ -301,26 +398,57 @@ def plots(result: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rounds = [r["round"] for r in result["rounds"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for m, style in (("dflash", "k--"), ("osd", "C0-o"), ("adaflash", "C3-s")):
-        if m not in result["rounds"][0]["methods"]:
-            continue
-        a.plot(rounds, [r["methods"][m]["tau_full"] for r in result["rounds"]], style, label=m)
-        b.plot(rounds, [r["methods"][m]["tps_vs_ar"] for r in result["rounds"]], style, label=m)
-    b.axhline(1.0, color="grey", lw=0.8)
-    a.set(
-        xlabel="round", ylabel="τ over the full block (uncensored)", title="drafter acceptance on new traffic"
-    )
-    b.set(xlabel="round", ylabel="TPS / AR (same round)", title="served throughput")
-    for ax in (a, b):
-        ax.legend()
+    rows = result["rounds"]
+    rounds = [r["round"] for r in rows]
+    methods = [m for m in _methods(result) if m != "ar"]
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
+    for m in methods:
+        style = _STYLE.get(m, "-")
+        axes[0].plot(rounds, [r["methods"][m]["tau"] for r in rows], style, label=m)
+        if "tau_full" in rows[0]["methods"][m]:
+            axes[1].plot(rounds, [r["methods"][m]["tau_full"] for r in rows], style, label=m)
+        axes[2].plot(
+            rounds,
+            [r["methods"][m]["tps_vs_ar"] for r in rows],
+            style,
+            label=f"{m} C={result['spec']['concurrency']}",
+        )
+        if "c1" in rows[0]["methods"][m]:
+            axes[3].plot(rounds, [r["methods"][m]["c1"]["tps_vs_ar"] for r in rows], style, label=f"{m} C=1")
+    for ax in axes[2:]:
+        ax.axhline(1.0, color="grey", lw=0.8)
+    axes[0].set(xlabel="round", ylabel="τ served", title="served acceptance on new traffic")
+    axes[1].set(xlabel="round", ylabel="τ over the full block", title="drafter quality (uncensored)")
+    axes[2].set(xlabel="round", ylabel="TPS / AR", title=f"throughput, C = {result['spec']['concurrency']}")
+    axes[3].set(xlabel="round", ylabel="TPS / AR", title="throughput, C = 1")
+    for ax in axes:
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = out / "online_adaptation.png"
-    fig.savefig(path, dpi=120)
+    paths = [out / "online_adaptation.png"]
+    fig.savefig(paths[0], dpi=110)
     plt.close(fig)
-    return [path]
+    # Reliability of the length head: the shipped drafter (round 0) against the adapted one (last round).
+    first, last = rows[0]["methods"], rows[-1]["methods"]
+    curves = [
+        ("shipped (round 0)", first.get("dflash", {}).get("reliability"), "k--o"),
+        (f"adapted (round {rows[-1]['round']})", last.get("adaflash", {}).get("reliability"), "C3-s"),
+    ]
+    if any(c for _, c, _ in curves):
+        fig, ax = plt.subplots(figsize=(5, 5))
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, label="calibrated")
+        for label, bins, style in curves:
+            if bins:
+                ax.plot([b["a_hat"] for b in bins], [b["a_star"] for b in bins], style, label=label)
+        ax.set(xlabel="â (length head)", ylabel="a* (full-block acceptance label)", xlim=(0, 1), ylim=(0, 1),
+               title="length-head reliability on shifted traffic")  # fmt: skip
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out / "length_head_reliability.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 def write_outputs(result: dict, out: Path) -> list[Path]:

@@ -102,17 +102,24 @@ def adapt(
     max_new_tokens: Annotated[int, typer.Option()] = 64,
     epochs: Annotated[int, typer.Option(help="online training epochs per round")] = 2,
     lr: Annotated[float, typer.Option()] = 3e-4,
-    learners: Annotated[str, typer.Option(help="comma list of osd, adaflash")] = "osd,adaflash",
+    learners: Annotated[str, typer.Option(help="comma list of osd, fkl, adaflash")] = "osd,fkl,adaflash",
     source: Annotated[str, typer.Option(help="held-out prompt-id prefix of the new domain")] = "humaneval",
     replay_records: Annotated[
         int, typer.Option(help="earlier rounds' records replayed per round, capped per tenant (0: new only)")
     ] = 0,
+    c1_prompts: Annotated[
+        int, typer.Option(help="first prompts of each round also served one at a time (0: none)")
+    ] = 4,
+    frozen_cost: Annotated[
+        bool, typer.Option(help="also serve the frozen drafter with adaflash's cost-aware policy")
+    ] = True,
     out: Annotated[Path, typer.Option(help="JSON + markdown + plot")] = Path("benchmarks/online"),
     work: Annotated[Path, typer.Option(help="per-learner governance dirs and drafters")] = Path(
         ".adaflash/adapt"
     ),
 ) -> None:
-    """Online adaptation experiment: OSD vs AdaFlash retraining on shifted traffic, DFlash fixed."""
+    """Online adaptation experiment: OSD, FKL and AdaFlash retraining on shifted traffic, DFlash
+    frozen. Resumable: a rerun with the same options continues after the last finished round."""
     from adaflash.bench.adaptation import LEARNERS, AdaptationSpec, run_adaptation, write_outputs
 
     names = csv(learners)
@@ -120,7 +127,8 @@ def adapt(
     if bad:
         raise InputError(f"unknown learner(s) {', '.join(bad)}: choose from {', '.join(LEARNERS)}")
     spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source,
-                          replay_records=replay_records)  # fmt: skip
+                          replay_records=replay_records, c1_prompts=c1_prompts,
+                          frozen_cost=frozen_cost)  # fmt: skip
     tgt, _ = load(target, None)
     result = run_adaptation(tgt, drafter, spec, work, log=log)
     result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])

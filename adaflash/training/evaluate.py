@@ -21,6 +21,8 @@ from adaflash.models.ngram import propose
 from adaflash.models.transformer import TargetModel
 from adaflash.training.blocks import SequencePass, block_inputs
 
+RELIABILITY_BINS = 10
+
 
 @dataclass
 class WalkStats:
@@ -35,6 +37,11 @@ class WalkStats:
     seq_rounds: list[int] = field(default_factory=list)
     seq_verified: list[int] = field(default_factory=list)
     seq_calib_abs_err: list[float] = field(default_factory=list)
+    # Reliability diagram of the length head: per bin of â (RELIABILITY_BINS equal-width bins on
+    # [0, 1]), rounds, Σ â and Σ a*.
+    calib_bins: list[list[float]] = field(
+        default_factory=lambda: [[0, 0.0, 0.0] for _ in range(RELIABILITY_BINS)]
+    )
 
     @property
     def tau(self) -> float:
@@ -100,7 +107,13 @@ def _walk(
             acc[rows[hit]] += 1
             still[rows[~hit]] = False
         if head is not None:
-            err = (a_hat - acceptance_label(acc, k)).abs().double()
+            label = acceptance_label(acc, k)
+            err = (a_hat - label).abs().double()
+            bins = (a_hat * RELIABILITY_BINS).long().clamp(0, RELIABILITY_BINS - 1)
+            for b, ah, lb in zip(bins.tolist(), a_hat.tolist(), label.tolist(), strict=True):
+                stats.calib_bins[b][0] += 1
+                stats.calib_bins[b][1] += ah
+                stats.calib_bins[b][2] += lb
             stats.calib_abs_err += float(err.sum())
             seq_err[alive] += err
         # Like the decoder, never verify past the end of the continuation (its max_new_tokens).
@@ -115,6 +128,16 @@ def _walk(
         seq_rounds[alive] += 1
         seq_verified[alive] += verified
         anchor[alive] += acc + 1
+
+
+def reliability(stats: WalkStats) -> list[dict]:
+    """The head's reliability diagram: per non-empty â bin, its rounds, mean â and mean a*
+    (a calibrated head lies on the diagonal)."""
+    return [
+        {"bin": [i / RELIABILITY_BINS, (i + 1) / RELIABILITY_BINS], "rounds": int(n),
+         "a_hat": round(sa / n, 4), "a_star": round(sl / n, 4)}
+        for i, (n, sa, sl) in enumerate(stats.calib_bins) if n
+    ]  # fmt: skip
 
 
 def ngram_walk(seqs: list[torch.Tensor], starts: list[int], block_size: int) -> WalkStats:
@@ -188,6 +211,7 @@ def evaluate_acceptance(
                 adaflash_rounds=ada.rounds,
                 adaflash_tokens=ada.tokens,
                 length_head_mae=round(ada.calib_abs_err / max(ada.rounds, 1), 4),
+                length_head_reliability=reliability(ada),
             )
         if per_sequence:
             row["per_sequence"] = {"dflash_rounds": fixed.seq_rounds, "dflash_tokens": fixed.seq_tokens}
