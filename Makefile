@@ -109,7 +109,7 @@ bench-governance: setup
 bench-online: setup
 	ADAFLASH_THREADS=2 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 10 \
 		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 2 \
-		--out benchmarks/online-shift --work .adaflash/adapt-shift
+		--out benchmarks/online-shift --work .adaflash/adapt-shift  # = the defaults, spelled out
 
 # -- cluster manifests (issue 7) ----------------------------------------------------------------------
 # `make test` already renders and validates every overlay offline (tests/test_manifests.py) with the

@@ -57,10 +57,10 @@ METHOD_ORDER = ("ar", "dflash", "frozen-cost", "osd", "fkl", "adaflash")
 
 @dataclass
 class AdaptationSpec:
-    rounds: int = 6
-    per_round: int = 16
+    rounds: int = 10
+    per_round: int = 8
     concurrency: int = 8
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     epochs: int = 2
     lr: float = 3e-4
     learners: list[str] = field(default_factory=lambda: ["osd", "fkl", "adaflash"])
@@ -69,9 +69,9 @@ class AdaptationSpec:
     data_dir: Path | None = None
     # Earlier rounds' clean records replayed beside each round's new ones (training/replay.py);
     # 0 trains on the new records only.
-    replay_records: int = 0
+    replay_records: int = 8
     replay_half_life_s: float = 3600.0
-    c1_prompts: int = 4  # the first prompts of each round, also served one at a time (0: no C = 1 cells)
+    c1_prompts: int = 2  # the first prompts of each round, also served one at a time (0: no C = 1 cells)
     frozen_cost: bool = True  # serve the frozen drafter with the cost-aware policy too
 
 

@@ -96,20 +96,20 @@ def adapt(
     drafter: Annotated[Path, typer.Option(help="the bootstrap drafter every learner starts from")] = Path(
         "drafters/smollm2"
     ),
-    rounds: Annotated[int, typer.Option(help="rounds of shifted traffic")] = 6,
-    per_round: Annotated[int, typer.Option(help="new prompts served per round")] = 16,
+    rounds: Annotated[int, typer.Option(help="rounds of shifted traffic")] = 10,
+    per_round: Annotated[int, typer.Option(help="new prompts served per round")] = 8,
     concurrency: Annotated[int, typer.Option()] = 8,
-    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    max_new_tokens: Annotated[int, typer.Option()] = 48,
     epochs: Annotated[int, typer.Option(help="online training epochs per round")] = 2,
     lr: Annotated[float, typer.Option()] = 3e-4,
     learners: Annotated[str, typer.Option(help="comma list of osd, fkl, adaflash")] = "osd,fkl,adaflash",
     source: Annotated[str, typer.Option(help="held-out prompt-id prefix of the new domain")] = "humaneval",
     replay_records: Annotated[
         int, typer.Option(help="earlier rounds' records replayed per round, capped per tenant (0: new only)")
-    ] = 0,
+    ] = 8,
     c1_prompts: Annotated[
         int, typer.Option(help="first prompts of each round also served one at a time (0: none)")
-    ] = 4,
+    ] = 2,
     frozen_cost: Annotated[
         bool, typer.Option(help="also serve the frozen drafter with adaflash's cost-aware policy")
     ] = True,
