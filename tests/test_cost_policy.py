@@ -159,7 +159,7 @@ def test_guard_raises_the_price_of_drafts_while_they_deliver_less_than_plain_ste
     assert not g.want_plain_step(8)
     for _ in range(5):
         g.observe(8, tokens=12, seconds=0.2, speculated=True)  # 60 tok/s with drafts
-    assert g.penalty(8) == pytest.approx(g.step_up**5, rel=1e-6) and g.penalty(1) == 1.0  # per bucket
+    assert g.penalty(8) == pytest.approx(g.step**5, rel=1e-6) and g.penalty(1) == 1.0  # per bucket
     for _ in range(20):
         g.observe(8, tokens=12, seconds=0.2, speculated=True)
     assert g.penalty(8) == g.max_penalty
@@ -232,6 +232,32 @@ def test_a_lockstep_plan_is_valued_by_the_expected_minimum_of_its_requests_accep
     assert Proposer._lockstep(owner, [cand] * 8, [ngram] * 8, 8, 0, 8) == [none] * 8
     alone = [ngram] + [none] * 7  # one longest request: its draft saves a wave step with p = 0.6
     assert Proposer._lockstep(owner, [cand] * 8, alone, 8, 0, 8) == alone
+
+
+def test_guard_keeps_a_noisy_drafter_that_wins_on_average_and_prices_out_one_that_loses():
+    """At C = 1 a speculative step commits 1 token or several: most steps alone are slower than
+    plain ones. The guard judges what drafting delivers over many steps, not step by step (the
+    previous EMA of per-step rates with ×1.5 up / ÷1.1 down priced the winning drafter below out
+    on 25% of its steps)."""
+    import random
+
+    from adaflash.serving.costs import SpeculationGuard
+
+    def priced_out(p_hit: float, hit_tokens: int) -> float:
+        """Share of steps with the draft price above 2×, over 20 seeded 200-step runs."""
+        high = 0
+        for seed in range(20):
+            rng, g = random.Random(seed), SpeculationGuard()
+            for i in range(200):
+                if i % g.ar_every == 0:
+                    g.observe(1, tokens=1, seconds=0.05, speculated=False)  # 20 tok/s plain
+                tokens = hit_tokens if rng.random() < p_hit else 1
+                g.observe(1, tokens=tokens, seconds=0.06, speculated=True)
+                high += g.penalty(1) > 2
+        return high / (20 * 200)
+
+    assert priced_out(0.3, 3) < 0.1  # 1.6 tokens per 0.06 s = 26.7 tok/s: drafting pays
+    assert priced_out(0.05, 2) > 0.8  # 1.05 tokens per 0.06 s = 17.5 tok/s: it does not
 
 
 def test_guard_price_drifts_back_during_plain_steps_so_drafting_is_never_locked_out():
