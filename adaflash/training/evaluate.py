@@ -39,8 +39,8 @@ class WalkStats:
     seq_calib_abs_err: list[float] = field(default_factory=list)
     # Reliability diagram of the length head: per bin of â (RELIABILITY_BINS equal-width bins on
     # [0, 1]), rounds, Σ â and Σ a*.
-    calib_bins: list[list[float]] = field(
-        default_factory=lambda: [[0, 0.0, 0.0] for _ in range(RELIABILITY_BINS)]
+    calib_bins: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(RELIABILITY_BINS, 3, dtype=torch.float64)
     )
 
     @property
@@ -110,10 +110,8 @@ def _walk(
             label = acceptance_label(acc, k)
             err = (a_hat - label).abs().double()
             bins = (a_hat * RELIABILITY_BINS).long().clamp(0, RELIABILITY_BINS - 1)
-            for b, ah, lb in zip(bins.tolist(), a_hat.tolist(), label.tolist(), strict=True):
-                stats.calib_bins[b][0] += 1
-                stats.calib_bins[b][1] += ah
-                stats.calib_bins[b][2] += lb
+            for col, w in enumerate((None, a_hat.double(), label.double())):
+                stats.calib_bins[:, col] += torch.bincount(bins, weights=w, minlength=RELIABILITY_BINS)
             stats.calib_abs_err += float(err.sum())
             seq_err[alive] += err
         # Like the decoder, never verify past the end of the continuation (its max_new_tokens).
@@ -136,7 +134,7 @@ def reliability(stats: WalkStats) -> list[dict]:
     return [
         {"bin": [i / RELIABILITY_BINS, (i + 1) / RELIABILITY_BINS], "rounds": int(n),
          "a_hat": round(sa / n, 4), "a_star": round(sl / n, 4)}
-        for i, (n, sa, sl) in enumerate(stats.calib_bins) if n
+        for i, (n, sa, sl) in enumerate(stats.calib_bins.tolist()) if n
     ]  # fmt: skip
 
 
