@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from adaflash.models.checkpoint import save_drafter
@@ -63,6 +64,13 @@ def test_demo_scenario_runs_the_whole_loop_on_tiny(tmp_path, tiny32, monkeypatch
     assert served["v2"]["requests"] == served["v1"]["requests"] == 4
     assert served["v1"]["version"] == "1" and served["v2"]["version"] == "2"
     assert served["v2"]["tps"] > 0 and served["v1"]["tau"] >= 1 and served["identical_outputs"] == 4
+    # v1 brackets v2: served before the gate and after the rollback; its rate is their mean.
+    runs = served["v1_runs"]
+    assert [r["version"] for r in runs] == ["1", "1"] and served["v1"]["runs"] == 2
+    assert served["v1"]["tps"] == pytest.approx((runs[0]["tps"] + runs[1]["tps"]) / 2)
+    assert served["v1"]["completion_tokens"] == runs[0]["completion_tokens"] + runs[1]["completion_tokens"]
+    assert served["tps_gain"] == pytest.approx(served["v2"]["tps"] / served["v1"]["tps"] - 1)
+    assert "v1 brackets v2" in text
     assert report["lineage"]["trained_into"] == [new] and report["lineage"]["records"] >= 8
     assert report["rollback"]["version"] == "1"
     assert report["rollback"]["reload_seconds"] < 60 and report["promotion"]["reload_seconds"] < 60

@@ -89,7 +89,7 @@ def demo(
     ] = None,
     max_tokens: Annotated[int | None, typer.Option(help="tokens per answer (default 64)")] = None,
     epochs: Annotated[
-        int | None, typer.Option(help="training epochs over the new records (2 records a step) (default 1)")
+        int | None, typer.Option(help="training epochs over the new records (2 records a step) (default 2)")
     ] = None,
     heldout_per_domain: Annotated[
         int | None, typer.Option(help="held-out records per domain for the gate (default 24)")
