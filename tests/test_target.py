@@ -9,6 +9,7 @@ import torch
 
 from adaflash.errors import AdaFlashError
 from adaflash.models.generate import greedy_generate
+from adaflash.models.layers import apply_rope, rope_tables
 from adaflash.models.targets import fingerprint_of, load_target, tiny_target
 
 
@@ -204,3 +205,16 @@ def test_frozen_linears_match_the_modules_and_follow_weight_changes():
     x.requires_grad_(True)  # with autograd: the modules themselves, gradients flow
     fused_linear(owner, "qk", x.bfloat16(), q.requires_grad_(True), k)[0].sum().backward()
     assert q.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_the_sign_in_the_table_is_rotate_half_bit_for_bit(dtype):
+    """`apply_rope` rolls instead of slicing and negating; its products must be HF's exactly."""
+    positions = torch.randint(0, 4096, (2, 5))
+    x = (torch.randn(2, 3, 5, 64) * 40).to(dtype)
+    cos, signed_sin = rope_tables(positions, 64, 10000.0, dtype)
+    sin = signed_sin.clone()
+    sin[..., :32] = -sin[..., :32]  # the plain sin table
+    assert torch.all(sin[..., :32] == sin[..., 32:])
+    rotated = torch.cat([-x[..., 32:], x[..., :32]], dim=-1)
+    assert torch.equal(apply_rope(x, cos, signed_sin), x * cos[:, None] + rotated * sin[:, None])

@@ -51,17 +51,23 @@ def attention_dtype(dtype: torch.dtype) -> torch.dtype:
 def rope_tables(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for integer `positions` (any shape) -> shape positions.shape + (head_dim,)."""
+    """(cos, signed sin) for integer `positions` (any shape) -> shape positions.shape + (head_dim,).
+
+    The sin table carries rotate-half's sign (its first half negated), so `apply_rope` rotates
+    with one `roll` instead of slicing, negating and concatenating every call: the same products
+    bit for bit ((-x)·s = x·(-s) exactly), in 4 ops instead of 9 (a decode step runs 30 layers).
+    """
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     )
     angles = positions.to(torch.float64)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sign = torch.ones(head_dim, dtype=torch.float64, device=positions.device)
+    sign[: head_dim // 2] = -1
+    return angles.cos().to(dtype), (angles.sin() * sign).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [B, T, D] (rotate-half convention of HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """x: [B, heads, T, D]; cos/sin: [B, T, D] from `rope_tables` (rotate-half convention of HF
+    Llama: x·cos + [-x₂, x₁]·sin, with the sign already in `sin`)."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * sin[:, None]

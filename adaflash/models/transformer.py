@@ -107,7 +107,10 @@ class Attention(nn.Module):
         v = v.view(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        # Queries and keys rotated as one tensor: one RoPE per layer instead of two (the same
+        # element-wise products; a decode step is mostly small ops like these).
+        qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         return q, k, v.transpose(1, 2)
 
     def forward(
