@@ -598,6 +598,8 @@ class Scenario:
                     f"v{before}_runs_spread": spread,
                 }
             else:
+                first.pop("outputs")
+                r["served"] = {f"v{before}": first}  # what the fleet keeps serving
                 self.console.print(
                     "  [yellow]no promotion, so no reload, served comparison or rollback to show[/]"
                 )
