@@ -64,8 +64,9 @@ def test_demo_scenario_runs_the_whole_loop_on_tiny(tmp_path, tiny32, monkeypatch
     assert served["v2"]["requests"] == served["v1"]["requests"] == 4
     assert served["v1"]["version"] == "1" and served["v2"]["version"] == "2"
     assert served["v2"]["tps"] > 0 and served["v1"]["tau"] >= 1 and served["identical_outputs"] == 4
-    # v1 brackets v2: served before the gate and after the rollback; its rate is their mean.
+    # v1 brackets v2: served before training and after the rollback; its rate is their mean.
     runs = served["v1_runs"]
+    assert not any("outputs" in row for row in (served["v1"], served["v2"], *runs))
     assert [r["version"] for r in runs] == ["1", "1"] and served["v1"]["runs"] == 2
     assert served["v1"]["tps"] == pytest.approx((runs[0]["tps"] + runs[1]["tps"]) / 2)
     assert served["v1"]["completion_tokens"] == runs[0]["completion_tokens"] + runs[1]["completion_tokens"]

@@ -574,13 +574,14 @@ class Scenario:
             if promoted:
                 r["rollback"] = self.rollback(before)
                 again = self.serve_fresh(before, f"11. served by v{before} again: the same prompts")
-                served[before] = bracketed(first, again)
                 outs = [row.pop("outputs") for row in (first, again, served[after])]
                 same = sum(a == b == c for a, b, c in zip(*outs, strict=True))
+                served[before] = bracketed(first, again)
+                gain = served[after]["tps"] / served[before]["tps"] - 1
                 self.console.print(
                     f"  v{before} brackets v{after}: {served[before]['tps']:.2f} tok/s (mean of "
                     f"{first['tps']:.2f} before and {again['tps']:.2f} after) vs "
-                    f"{served[after]['tps']:.2f}: {served[after]['tps'] / served[before]['tps'] - 1:+.1%}"
+                    f"{served[after]['tps']:.2f}: {gain:+.1%}"
                 )
                 spread = abs(first["tps"] - again["tps"]) / max(first["tps"], again["tps"])
                 if spread > BRACKET_SPREAD:
@@ -594,7 +595,7 @@ class Scenario:
                 r["served"] = {f"v{v}": row for v, row in served.items()} | {
                     "identical_outputs": same,
                     f"v{before}_runs": [first, again],
-                    "tps_gain": served[after]["tps"] / served[before]["tps"] - 1,
+                    "tps_gain": gain,
                     f"v{before}_runs_spread": spread,
                 }
             else:
