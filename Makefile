@@ -104,11 +104,11 @@ bench-governance: setup
 
 # -- continual training (issue 5) ---------------------------------------------------------------------
 .PHONY: bench-online
-# The 10-round shift experiment of BENCHMARKS.md (issue 16; ~100 min on 2 cores, nothing else
-# running). Resumable: rerun the same command after an interruption and it continues.
+# The 10-round shift experiment of BENCHMARKS.md (issue 16; 50–100 min on 2 cores, nothing
+# else running). Resumable: rerun the same command after an interruption and it continues.
 bench-online: setup
 	ADAFLASH_THREADS=2 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 10 \
-		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 2 \
+		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 4 \
 		--out benchmarks/online-shift --work .adaflash/adapt-shift  # = the defaults, spelled out
 
 # -- cluster manifests (issue 7) ----------------------------------------------------------------------

@@ -45,7 +45,11 @@ def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_pa
     names = ["results.json", "results.md", "online_adaptation.png", "length_head_reliability.png"]
     assert [f.name for f in files] == names
     md = (tmp_path / "out" / "results.md").read_text()
-    assert md.count("\n| ") == 6  # two tables: header + one row per round
+    assert md.count("\n| ") == 9  # three tables (C = 8, acceptance, C = 1): header + one row per round
+    c1_rows = [ln for ln in md.split("**At C = 1**")[1].splitlines() if ln[:3] in ("| 0", "| 1")]
+    for row, line in zip(result["rounds"], c1_rows, strict=True):
+        c1 = {m: row["methods"][m]["c1"] for m in ("adaflash", "osd")}
+        assert line.endswith(f"| {c1['adaflash']['tps'] / c1['osd']['tps']:.2f}× |")
 
     # Interrupted after round 0: a rerun continues from the saved state, with round 0's drafters.
     state_path = tmp_path / "work" / "state.json"

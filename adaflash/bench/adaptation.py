@@ -71,7 +71,7 @@ class AdaptationSpec:
     # 0 trains on the new records only.
     replay_records: int = 8
     replay_half_life_s: float = 3600.0
-    c1_prompts: int = 2  # the first prompts of each round, also served one at a time (0: no C = 1 cells)
+    c1_prompts: int = 4  # the first prompts of each round, also served one at a time (0: no C = 1 cells)
     frozen_cost: bool = True  # serve the frozen drafter with the cost-aware policy too
 
 
@@ -154,7 +154,7 @@ def govern_records(
     }
 
 
-def _full_block_tau(target, bundle: DrafterBundle, passes, starts) -> dict:
+def full_block_tau(target: Target, bundle: DrafterBundle, passes: list, starts: list[int]) -> dict:
     from adaflash.training.evaluate import evaluate_acceptance
 
     rep = evaluate_acceptance(
@@ -301,7 +301,7 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
         starts = [len(x) for x in ids]
         bundles = {"dflash": fixed, **{lp.name: lp.bundle for lp in loops}}
         for name, bundle in bundles.items():
-            row["methods"][name].update(_full_block_tau(target, bundle, passes, starts))
+            row["methods"][name].update(full_block_tau(target, bundle, passes, starts))
             row["methods"][name]["drafter"] = str(
                 next((lp.dir for lp in loops if lp.name == name), bootstrap)
             )
@@ -386,7 +386,31 @@ def markdown(result: dict) -> str:
         khat = f"{ada['mean_verify_len']:.2f}" if ada else "–"
         mae = f"{ada['head_mae']:.3f}" if ada.get("head_mae") is not None else "–"
         lines.append(f"| {row['round']} | " + " | ".join(tau) + f" | {khat} | {mae} |")
+    if c1:
+        lines += ["", *_c1_table(result, drafted)]
     return "\n".join(lines) + "\n"
+
+
+def _c1_table(result: dict, drafted: list[str]) -> list[str]:
+    """The C = 1 cells on their own: tok/s, × AR, served τ, and adaflash against OSD (issue 16's
+    criterion reads these)."""
+    vs_osd = "adaflash" in drafted and "osd" in drafted
+    lines = [
+        f"**At C = 1** (the first {result['spec']['c1_prompts']} prompts of each round, one at a time; "
+        "tok/s (× AR) τ served)",
+        "",
+        "| round | ar | " + " | ".join(drafted) + (" | adaflash × osd |" if vs_osd else " |"),
+        "|" + "---|" * (2 + len(drafted) + vs_osd),
+    ]
+    for row in result["rounds"]:
+        c = {m: row["methods"][m]["c1"] for m in ("ar", *drafted)}
+        cells = [f"{c['ar']['tps']:.2f}"] + [
+            f"{c[m]['tps']:.2f} ({c[m]['tps_vs_ar']:.2f}×) {c[m]['tau']:.2f}" for m in drafted
+        ]
+        if vs_osd:
+            cells.append(f"{c['adaflash']['tps'] / c['osd']['tps']:.2f}×")
+        lines.append(f"| {row['round']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 _STYLE = {"dflash": "k--", "frozen-cost": "C7-.", "osd": "C0-o", "fkl": "C2-^", "adaflash": "C3-s"}
