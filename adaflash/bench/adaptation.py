@@ -425,17 +425,22 @@ def plots(result: dict, out: Path) -> list[Path]:
     rows = result["rounds"]
     rounds = [r["round"] for r in rows]
     methods = [m for m in _methods(result) if m != "ar"]
+    conc = result["spec"]["concurrency"]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     for m in methods:
         style = _STYLE.get(m, "-")
-        axes[0].plot(rounds, [r["methods"][m]["tau"] for r in rows], style, label=m)
+        axes[0].plot(rounds, [r["methods"][m]["tau"] for r in rows], style, label=f"{m} C={conc}")
+        # The cost-aware methods draft little at C = 8 on a CPU; their C = 1 τ is where they do.
+        if m in ("frozen-cost", "adaflash") and "c1" in rows[0]["methods"][m]:
+            c1_tau = [r["methods"][m]["c1"]["tau"] for r in rows]
+            axes[0].plot(rounds, c1_tau, ":", color=style[:2], alpha=0.7, label=f"{m} C=1")
         if "tau_full" in rows[0]["methods"][m]:
             axes[1].plot(rounds, [r["methods"][m]["tau_full"] for r in rows], style, label=m)
         axes[2].plot(
             rounds,
             [r["methods"][m]["tps_vs_ar"] for r in rows],
             style,
-            label=f"{m} C={result['spec']['concurrency']}",
+            label=f"{m} C={conc}",
         )
         if "c1" in rows[0]["methods"][m]:
             axes[3].plot(rounds, [r["methods"][m]["c1"]["tps_vs_ar"] for r in rows], style, label=f"{m} C=1")
@@ -443,7 +448,7 @@ def plots(result: dict, out: Path) -> list[Path]:
         ax.axhline(1.0, color="grey", lw=0.8)
     axes[0].set(xlabel="round", ylabel="τ served", title="served acceptance on new traffic")
     axes[1].set(xlabel="round", ylabel="τ over the full block", title="drafter quality (uncensored)")
-    axes[2].set(xlabel="round", ylabel="TPS / AR", title=f"throughput, C = {result['spec']['concurrency']}")
+    axes[2].set(xlabel="round", ylabel="TPS / AR", title=f"throughput, C = {conc}")
     axes[3].set(xlabel="round", ylabel="TPS / AR", title="throughput, C = 1")
     for ax in axes:
         ax.legend(fontsize=7)
