@@ -20,11 +20,16 @@ import shutil
 import time
 from pathlib import Path
 
-from adaflash.bench.adaptation import AdaptationSpec, full_block_tau, serve_records, shifted_prompts
+from adaflash.bench.adaptation import (
+    AdaptationSpec,
+    continuation_passes,
+    full_block_tau,
+    serve_records,
+    shifted_prompts,
+)
 from adaflash.feedback.schema import CleanRecord
 from adaflash.models.checkpoint import load_drafter_for
 from adaflash.models.targets import load_target
-from adaflash.training.blocks import sequence_pass
 from adaflash.training.online import OnlineConfig, OnlineTrainer
 
 
@@ -62,10 +67,7 @@ def main() -> None:
         _, ref, _ = serve_records(target, None, "ar", *serve)
         cache.write_text(json.dumps(ref))
     fixed = load_drafter_for(a.drafter, target)
-    layers = fixed.drafter.config.target_layer_ids
-    seqs = [x + o for x, o in zip(ids, ref, strict=True)]
-    passes = [p for i in range(0, len(seqs), 8) for p in sequence_pass(target.model, seqs[i : i + 8], layers)]
-    starts = [len(x) for x in ids]
+    passes, starts = continuation_passes(target, ids, ref, fixed.drafter.config.target_layer_ids)
 
     base = full_block_tau(target, fixed, passes, starts)
     rows = [{"config": "bootstrap", "tau_full": base["tau_full"], "head_mae": base["head_mae"]}]

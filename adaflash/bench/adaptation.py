@@ -154,6 +154,19 @@ def govern_records(
     }
 
 
+def continuation_passes(
+    target: Target, ids: list[list[int]], outputs: list[list[int]], layer_ids: list[int]
+) -> tuple[list, list[int]]:
+    """One target pass (8 sequences at a time) over each prompt followed by its AR continuation:
+    what `full_block_tau` scores every drafter on. (passes, prompt lengths)."""
+    from adaflash.training.blocks import sequence_pass
+
+    seqs = [x + o for x, o in zip(ids, outputs, strict=True)]
+    chunks = (seqs[i : i + 8] for i in range(0, len(seqs), 8))
+    passes = [p for chunk in chunks for p in sequence_pass(target.model, chunk, layer_ids)]
+    return passes, [len(x) for x in ids]
+
+
 def full_block_tau(target: Target, bundle: DrafterBundle, passes: list, starts: list[int]) -> dict:
     from adaflash.training.evaluate import evaluate_acceptance
 
@@ -256,7 +269,6 @@ def _cells(
 
 def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: Path, log=print) -> dict:
     from adaflash.governance.pii import PiiScrubber
-    from adaflash.training.blocks import sequence_pass
 
     prompts = shifted_prompts(spec)
     fixed = load_drafter_for(bootstrap, target)
@@ -294,11 +306,7 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
                 keep = ("tps", "tps_vs_ar", "tau", "lossless", "proposers")
                 row["methods"][name]["c1"] = {k: cell[k] for k in keep if k in cell}
         # One target pass over AR's continuations scores every drafter's full block.
-        seqs = [x + o for x, o in zip(ids, ref, strict=True)]
-        passes = [
-            p for i in range(0, len(seqs), 8) for p in sequence_pass(target.model, seqs[i : i + 8], layer_ids)
-        ]
-        starts = [len(x) for x in ids]
+        passes, starts = continuation_passes(target, ids, ref, layer_ids)
         bundles = {"dflash": fixed, **{lp.name: lp.bundle for lp in loops}}
         for name, bundle in bundles.items():
             row["methods"][name].update(full_block_tau(target, bundle, passes, starts))
