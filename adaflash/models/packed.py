@@ -1,20 +1,22 @@
-"""Frozen linear layers for inference: fused and prepacked once for the CPU's oneDNN kernels.
+"""Frozen linear layers for inference: fused and prepacked once for the CPU's fastest kernel.
 
 Why: a decode step of a small model is ~200 matmuls of a few rows each, and the plain
 `F.linear` reads each weight in the layout PyTorch stores it, through a kernel picked per call.
-Measured on this machine (SmolLM2-135M's per-layer shapes, 30 layers, 2 threads; DESIGN §4):
+Per SmolLM2-135M decode step (its linear layers + LM head, 2 threads; AVX2 EPYC, best of 5):
 
-| rows | fp32 `F.linear` | fp32 prepacked | bf16 `F.linear` | bf16 prepacked |
-|---|---|---|---|---|
-| 1  | 44.5 ms | 30.0 ms | 19.9 ms | 15.3 ms |
-| 8  | 83.0 ms | 33.4 ms | 26.3 ms | 19.1 ms |
-| 32 | 79.3 ms | 53.4 ms | 43.1 ms | 28.7 ms |
+| rows | fp32 oneDNN prepacked | fp32 row-wise (`rowwise.py`) |
+|---|---|---|
+| 1  | 50 ms | 29 ms |
+| 8  | 59 ms | 44 ms |
+| 32 | 115 ms | 104–118 ms |
 
-The prepacked kernel is also *batch-invariant* here: a row's output does not depend on how many
-other rows share the call (checked for 1–400 rows; fp32 down-projections differ only between
-one row and more): verifying k̂ rows and decoding one give the same bits in every linear layer.
+fp32 runs the row-wise kernel when this machine can build it: each output is one sequential fma
+chain, so a row's bits never depend on the rows beside it, and verifying k̂ rows gives the same
+logits as decoding one (oneDNN's fp32 down-projections differed between one row and more).
+Without a C compiler fp32 falls back to oneDNN's prepacked matmul, and bf16 always uses it.
 (Speculation on a bf16 target is still not token-identical to its AR on SmolLM2, cause not yet
-localized, so nothing serves bf16: docs/serving.md.)
+localized, so nothing serves bf16: docs/serving.md.) `ADAFLASH_PACKED_LINEAR=0` turns packing
+off and `ADAFLASH_ROWWISE=0` the row-wise kernel (to compare).
 
 Only without autograd: training runs the modules as they are. A packed copy remembers the
 storage and version counter of the weights it was built from and is rebuilt if either changes
@@ -29,17 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash.models import rowwise
+
 # Rows the oneDNN weight layout is tuned for: a decode/verify step's order of magnitude.
 _PACK_ROWS = 32
-_ONEDNN = (
-    torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and os.environ.get("ADAFLASH_PACKED_LINEAR", "1") != "0"
-)
+_PACKED = os.environ.get("ADAFLASH_PACKED_LINEAR", "1") != "0"
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class FrozenLinear:
-    """`linears` fused on the output dimension into one matmul, prepacked where oneDNN can."""
+    """`linears` fused on the output dimension into one matmul, prepacked for the fastest
+    batch-invariant kernel this CPU has: the row-wise one in fp32 (`rowwise.py`), oneDNN in bf16."""
 
     def __init__(self, linears: tuple[nn.Linear, ...]) -> None:
         self.sources = linears
@@ -50,15 +52,19 @@ class FrozenLinear:
         ]
         self.bias = torch.cat(biases) if any(lin.bias is not None for lin in linears) else None
         self.sizes = [lin.out_features for lin in linears]
-        self.onednn = _ONEDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+        self.out_features = w.shape[0]
+        on_cpu = _PACKED and w.device.type == "cpu"
+        self.kernel = "plain"
         self.weight = w
-        if self.onednn:
+        if on_cpu and w.dtype == torch.float32 and rowwise.available():
+            self.kernel, self.weight = "rowwise", rowwise.pack(w)
+        elif on_cpu and _ONEDNN and w.dtype in (torch.float32, torch.bfloat16):
             try:
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+                self.kernel, self.weight = "onednn", torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
             except RuntimeError:
                 # oneDNN's bf16 kernels need AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; a CPU without
                 # them (seen: an EPYC with AVX2 only) runs the plain matmul instead.
-                self.onednn = False
+                pass
 
     def _versions(self) -> list[tuple[nn.Linear, int, int]]:
         # In-place updates bump `_version`; `.to()` / `load_state_dict` may swap the storage
@@ -75,12 +81,17 @@ class FrozenLinear:
         return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.onednn:
+        if self.kernel == "plain":
             return F.linear(x, self.weight, self.bias)
-        if x.dtype != self.weight.dtype:  # what the modules themselves do (or how they fail)
+        if x.dtype != self.sources[0].weight.dtype:  # what the modules themselves do (or how they fail)
             return torch.cat([lin(x) for lin in self.sources], dim=-1)
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        if self.kernel == "rowwise":
+            y = rowwise.matmul(rows, self.weight, self.out_features)
+            if self.bias is not None:
+                y += self.bias
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
