@@ -35,6 +35,8 @@ from adaflash.models import rowwise
 
 # Rows the oneDNN weight layout is tuned for: a decode/verify step's order of magnitude.
 _PACK_ROWS = 32
+# Past this many rows a call may run oneDNN's GEMM instead, where that gives the same bits.
+LARGE_ROWS = 64
 _PACKED = os.environ.get("ADAFLASH_PACKED_LINEAR", "1") != "0"
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -56,8 +58,10 @@ class FrozenLinear:
         on_cpu = _PACKED and w.device.type == "cpu"
         self.kernel = "plain"
         self.weight = w
+        self.large: torch.Tensor | None = None  # oneDNN's packing, for calls past LARGE_ROWS rows
         if on_cpu and w.dtype == torch.float32 and rowwise.available():
             self.kernel, self.weight = "rowwise", rowwise.pack(w)
+            self.large = self._onednn_twin(w)
         elif on_cpu and _ONEDNN and w.dtype in (torch.float32, torch.bfloat16):
             try:
                 self.kernel, self.weight = "onednn", torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
@@ -65,6 +69,33 @@ class FrozenLinear:
                 # oneDNN's bf16 kernels need AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; a CPU without
                 # them (seen: an EPYC with AVX2 only) runs the plain matmul instead.
                 pass
+
+    def _onednn_twin(self, w: torch.Tensor) -> torch.Tensor | None:
+        """oneDNN's packing of `w` if its matmul gives the row-wise kernel's bits here, else None.
+
+        Why: from ~100 rows up (a prefill) oneDNN's GEMM is ~1.3× faster than the row-wise
+        kernel, and on this machine it reduces each output over K in the same sequential order
+        for SmolLM2's 576-wide inputs (bit-identical from 1 to 700 rows), but not for the
+        1536-wide down projection. Which shapes agree depends on the CPU and oneDNN's kernel
+        choice, so it is probed per layer on random rows at two sizes past the cut: a different
+        reduction order differs somewhere in those outputs, so agreement means the same order.
+        """
+        if not _ONEDNN:
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+        except RuntimeError:
+            return None
+        g = torch.Generator().manual_seed(0)
+        for m in (LARGE_ROWS + 1, 3 * LARGE_ROWS + 5):
+            x = torch.randn(m, w.shape[1], generator=g)
+            ours = rowwise.matmul(x, self.weight, self.out_features)
+            if self.bias is not None:
+                ours += self.bias
+            theirs = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if not torch.equal(ours, theirs):
+                return None
+        return packed
 
     def _versions(self) -> list[tuple[nn.Linear, int, int]]:
         # In-place updates bump `_version`; `.to()` / `load_state_dict` may swap the storage
@@ -86,12 +117,13 @@ class FrozenLinear:
         if x.dtype != self.sources[0].weight.dtype:  # what the modules themselves do (or how they fail)
             return torch.cat([lin(x) for lin in self.sources], dim=-1)
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernel == "rowwise":
+        if self.kernel == "rowwise" and (self.large is None or rows.shape[0] <= LARGE_ROWS):
             y = rowwise.matmul(rows, self.weight, self.out_features)
             if self.bias is not None:
                 y += self.bias
         else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+            packed = self.large if self.kernel == "rowwise" else self.weight
+            y = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
