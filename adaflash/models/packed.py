@@ -13,6 +13,8 @@ Per SmolLM2-135M decode step (its linear layers + LM head, 2 threads; AVX2 EPYC,
 fp32 runs the row-wise kernel when this machine can build it: each output is one sequential fma
 chain, so a row's bits never depend on the rows beside it, and verifying k̂ rows gives the same
 logits as decoding one (oneDNN's fp32 down-projections differed between one row and more).
+Calls past `LARGE_ROWS` rows (prefills) run oneDNN's GEMM, ~1.3× faster there, in the layers
+where a probe at pack time finds it bit-identical to the row-wise kernel (`_onednn_twin`).
 Without a C compiler fp32 falls back to oneDNN's prepacked matmul, and bf16 always uses it.
 (Speculation on a bf16 target is still not token-identical to its AR on SmolLM2, cause not yet
 localized, so nothing serves bf16: docs/serving.md.) `ADAFLASH_PACKED_LINEAR=0` turns packing
