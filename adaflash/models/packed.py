@@ -14,7 +14,7 @@ fp32 runs the row-wise kernel when this machine can build it: each output is one
 chain, so a row's bits never depend on the rows beside it, and verifying k̂ rows gives the same
 logits as decoding one (oneDNN's fp32 down-projections differed between one row and more).
 Calls past `LARGE_ROWS` rows (prefills) run oneDNN's GEMM, ~1.3× faster there, in the layers
-where a probe at pack time finds it bit-identical to the row-wise kernel (`_onednn_twin`).
+where a probe on the first such call finds it bit-identical to the row-wise kernel (`large`).
 Without a C compiler fp32 falls back to oneDNN's prepacked matmul, and bf16 always uses it.
 (Speculation on a bf16 target is still not token-identical to its AR on SmolLM2, cause not yet
 localized, so nothing serves bf16: docs/serving.md.) `ADAFLASH_PACKED_LINEAR=0` turns packing
@@ -28,6 +28,7 @@ storage and version counter of the weights it was built from and is rebuilt if e
 from __future__ import annotations
 
 import os
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,18 @@ _PACK_ROWS = 32
 LARGE_ROWS = 64
 _PACKED = os.environ.get("ADAFLASH_PACKED_LINEAR", "1") != "0"
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """`w` prepacked for oneDNN's matmul, or None where this CPU's oneDNN cannot run it."""
+    if not _ONEDNN:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+    except RuntimeError:
+        # oneDNN's bf16 kernels need AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; a CPU without
+        # them (seen: an EPYC with AVX2 only) runs the plain matmul instead.
+        return None
 
 
 class FrozenLinear:
@@ -60,20 +73,24 @@ class FrozenLinear:
         on_cpu = _PACKED and w.device.type == "cpu"
         self.kernel = "plain"
         self.weight = w
-        self.large: torch.Tensor | None = None  # oneDNN's packing, for calls past LARGE_ROWS rows
         if on_cpu and w.dtype == torch.float32 and rowwise.available():
             self.kernel, self.weight = "rowwise", rowwise.pack(w)
-            self.large = self._onednn_twin(w)
-        elif on_cpu and _ONEDNN and w.dtype in (torch.float32, torch.bfloat16):
-            try:
-                self.kernel, self.weight = "onednn", torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
-            except RuntimeError:
-                # oneDNN's bf16 kernels need AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; a CPU without
-                # them (seen: an EPYC with AVX2 only) runs the plain matmul instead.
-                pass
+        elif (
+            on_cpu and w.dtype in (torch.float32, torch.bfloat16) and (packed := _onednn_pack(w)) is not None
+        ):
+            self.kernel, self.weight = "onednn", packed
 
-    def _onednn_twin(self, w: torch.Tensor) -> torch.Tensor | None:
-        """oneDNN's packing of `w` if its matmul gives the row-wise kernel's bits here, else None.
+    def _rowwise(self, rows: torch.Tensor) -> torch.Tensor:
+        y = rowwise.matmul(rows, self.weight, self.out_features)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    @cached_property
+    def large(self) -> torch.Tensor | None:
+        """oneDNN's packing, for row-wise calls past LARGE_ROWS rows, if its matmul gives the
+        row-wise kernel's bits here; else None. Probed on the first such call, not at packing:
+        most packed copies (a drafter rebuilt after each optimizer step) never see one.
 
         Why: from ~100 rows up (a prefill) oneDNN's GEMM is ~1.3× faster than the row-wise
         kernel, and on this machine it reduces each output over K in the same sequential order
@@ -82,20 +99,15 @@ class FrozenLinear:
         choice, so it is probed per layer on random rows at two sizes past the cut: a different
         reduction order differs somewhere in those outputs, so agreement means the same order.
         """
-        if not _ONEDNN:
-            return None
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
-        except RuntimeError:
+        w = torch.cat([lin.weight.detach() for lin in self.sources])
+        packed = _onednn_pack(w)
+        if packed is None:
             return None
         g = torch.Generator().manual_seed(0)
         for m in (LARGE_ROWS + 1, 3 * LARGE_ROWS + 5):
-            x = torch.randn(m, w.shape[1], generator=g)
-            ours = rowwise.matmul(x, self.weight, self.out_features)
-            if self.bias is not None:
-                ours += self.bias
+            x = torch.randn(m, w.shape[1], generator=g, device=w.device)  # CPU even under a meta default
             theirs = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-            if not torch.equal(ours, theirs):
+            if not torch.equal(self._rowwise(x), theirs):
                 return None
         return packed
 
@@ -119,10 +131,8 @@ class FrozenLinear:
         if x.dtype != self.sources[0].weight.dtype:  # what the modules themselves do (or how they fail)
             return torch.cat([lin(x) for lin in self.sources], dim=-1)
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernel == "rowwise" and (self.large is None or rows.shape[0] <= LARGE_ROWS):
-            y = rowwise.matmul(rows, self.weight, self.out_features)
-            if self.bias is not None:
-                y += self.bias
+        if self.kernel == "rowwise" and (rows.shape[0] <= LARGE_ROWS or self.large is None):
+            y = self._rowwise(rows)
         else:
             packed = self.large if self.kernel == "rowwise" else self.weight
             y = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
