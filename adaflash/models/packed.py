@@ -139,15 +139,22 @@ class FrozenLinear:
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def fused_linear(owner: object, key: str, x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """`x` through each of `linears` (outputs in order). Without autograd: one fused, prepacked
-    matmul cached on `owner` under `key`; with autograd: the modules themselves."""
-    if torch.is_grad_enabled():
-        return tuple(lin(x) for lin in linears)
+def frozen_linear(owner: object, key: str, *linears: nn.Linear) -> FrozenLinear:
+    """The fused, prepacked inference copy of `linears`, cached on `owner` under `key` and rebuilt
+    when their weights change. Its output is [..., Σ out_features], the linears' outputs side by side."""
     slot = "_frozen_" + key
     frozen = owner.__dict__.get(slot)
     if frozen is None or frozen.stale:
         frozen = FrozenLinear(linears)
         owner.__dict__[slot] = frozen  # a plain attribute: not a submodule, not in state_dict
+    return frozen
+
+
+def fused_linear(owner: object, key: str, x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """`x` through each of `linears` (outputs in order). Without autograd: one fused, prepacked
+    matmul (`frozen_linear`); with autograd: the modules themselves."""
+    if torch.is_grad_enabled():
+        return tuple(lin(x) for lin in linears)
+    frozen = frozen_linear(owner, key, *linears)
     y = frozen(x)
     return y.split(frozen.sizes, dim=-1) if len(linears) > 1 else (y,)

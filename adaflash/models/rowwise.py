@@ -10,85 +10,22 @@ weights at close to the machine's bandwidth. Measured on SmolLM2-135M's linear l
 goes"): 1 row 29 ms against oneDNN's 50 ms, 8 rows 44 against 59, 32 rows level; from ~100 rows
 up (prefill) oneDNN is ~1.3× faster, which costs first-token latency only.
 
-The library is built with the system's C compiler (`cc -O3 -march=native -fopenmp`) into
-`$ADAFLASH_CACHE/kernels/`, keyed by the source, the compiler and the CPU, so a second process or
-a copy of the cache on another CPU never loads a mismatched build. It links the `libgomp.so.1`
-that torch has already loaded, so its threads are torch's. Without a compiler (or with
-`ADAFLASH_ROWWISE=0`) `available()` is False and the caller keeps oneDNN.
+It lives in the library `kernels.py` builds. Without a compiler (or with `ADAFLASH_ROWWISE=0`)
+`available()` is False and the caller keeps oneDNN.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "rowwise_matmul.c"
+from adaflash.models.kernels import library
 
 
-def _cpu_signature() -> str:
-    # -march=native bakes in the ISA: the build key must change with the CPU (a cache directory
-    # can be shared between hosts, e.g. an AVX-512 one and an AVX2-only one).
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    wanted = ("model name", "flags")
-    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
-
-
-def _build(compiler: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        built = Path(tmp) / out.name
-        flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-        subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(built, out)  # atomic: a concurrent process sees the old file or the whole new one
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("ADAFLASH_ROWWISE", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler: the batch-invariant row-wise matmul is off, oneDNN serves")
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        identity = SOURCE.read_bytes() + version.encode() + _cpu_signature().encode()
-        key = hashlib.sha256(identity).hexdigest()[:16]
-        from adaflash.models.targets import cache_root  # here: targets -> transformer -> packed -> us
-
-        path = cache_root() / "kernels" / f"rowwise-{key}.so"
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("the row-wise matmul did not build (%s): oneDNN serves", str(detail).strip()[:500])
-        return None
-    lib.rowwise_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.rowwise_matmul.restype = None
-    lib.rowwise_block_width.restype = ctypes.c_int
-    return lib
+def _library():
+    return library() if os.environ.get("ADAFLASH_ROWWISE", "1") != "0" else None
 
 
 def available() -> bool:

@@ -5,7 +5,9 @@ verify (anchor + k̂−1 drafts) — each writing into the request's own slot of
 cache `[layers, slots, kv_heads, capacity, head_dim]`. Every linear layer (q/k/v/o projections,
 MLP, norms) runs once over the concatenation of all segments' tokens, Σ n_i rows with no padding
 to k. Attention is the only per-request operation: each query sees its own slot's keys up to its
-absolute position. Short segments (decode/verify) share an SDPA call over a gathered
+absolute position. An fp32 target on the CPU runs every layer through our C kernels
+(`_forward_fused`: one attention call for all rows, whatever their segments; docs/serving.md).
+Otherwise (bf16, no C compiler): short segments (decode/verify) share an SDPA call over a gathered
 `[R, kv_heads, span, D]` view of their slots with a block-causal mask, bucketed by context length
 so that padding to the group's longest span stays bounded; long ones (prefills) get their own
 call so one 300-token prompt does not pad thirty 4-token verifies to 300 rows.
@@ -19,13 +21,16 @@ when the token is committed, never again.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from adaflash.models import row_ops, slot_attention
 from adaflash.models.drafter import Drafter
-from adaflash.models.layers import attention_dtype, rope_tables
+from adaflash.models.layers import RMSNorm, attention_dtype, rope_tables
+from adaflash.models.packed import frozen_linear
 from adaflash.models.transformer import KVCache, TargetModel
 
 # Segments longer than this get their own attention call (see module docstring).
@@ -132,6 +137,10 @@ def _attention_groups(batch: PackedBatch) -> list[_AttnGroup]:
     return groups
 
 
+def _norm(norm: RMSNorm) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.eps
+
+
 class PackedRunner:
     """Runs the frozen target over packed segments against a preallocated slot KV cache."""
 
@@ -140,6 +149,18 @@ class PackedRunner:
         self.config = model.config
         self.cache = KVCache.allocate(model.config, slots, capacity, attention_dtype(model.dtype))
         self.last_num_rows = 0  # rows the last forward ran through the linear layers (tests, metrics)
+        c = model.config
+        # Our C kernels (`_forward_fused`) where they apply: an fp32 model on the CPU with a C
+        # compiler; else the PyTorch layers and SDPA. `ADAFLASH_FUSED_RUNNER=0` forces the latter.
+        self.fused = (
+            os.environ.get("ADAFLASH_FUSED_RUNNER", "1") != "0"
+            and model.dtype == torch.float32
+            and self.cache.k.device.type == "cpu"
+            and c.head_dim % 16 == 0
+            and c.hidden_size % 8 == 0
+            and c.intermediate_size % 8 == 0
+            and row_ops.available()
+        )
 
     @property
     def capacity(self) -> int:
@@ -159,6 +180,8 @@ class PackedRunner:
         self.last_num_rows = batch.num_rows
         c, m = self.config, self.model
         cos, sin = rope_tables(batch.positions[None], c.head_dim, c.rope_theta, m.dtype)
+        if self.fused:
+            return self._forward_fused(batch, cos[0], sin[0], capture_layers)
         groups = _attention_groups(batch)
         wanted = {layer: None for layer in capture_layers}
         x = m.embed_tokens(batch.tokens)
@@ -170,6 +193,33 @@ class PackedRunner:
                 wanted[i] = x
         features = torch.cat([wanted[i] for i in capture_layers], dim=-1) if capture_layers else None
         return m.norm(x), features
+
+    def _forward_fused(
+        self, batch: PackedBatch, cos: torch.Tensor, sin: torch.Tensor, capture_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` through our C kernels: per layer, five calls (q/k/v matmul, attention with
+        RoPE and the KV write, o matmul + residual + norm, gate/up matmul + SiLU·up, down matmul
+        + residual + the next norm) instead of ~35 PyTorch ops; every one computes each row alone."""
+        c, m = self.config, self.model
+        layers = m.layers
+        wanted = {layer: None for layer in capture_layers}
+        x, h = row_ops.add_rms_norm(m.embed_tokens(batch.tokens), None, *_norm(layers[0].input_layernorm))
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = frozen_linear(attn, "qkv", attn.q_proj, attn.k_proj, attn.v_proj)(h)
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if c.qk_norm else ()
+            ck, cv = self.cache.k[i], self.cache.v[i]
+            rows = (batch.slot_rows, batch.positions)
+            out = slot_attention.attend(qkv, cos, sin, ck, cv, *rows, c.num_heads, *qk_norms)
+            o = frozen_linear(attn, "o", attn.o_proj)(out.view(out.shape[0], -1))
+            x, h = row_ops.add_rms_norm(x, o, *_norm(layer.post_attention_layernorm))
+            up = row_ops.silu_mul(frozen_linear(mlp, "gate_up", mlp.gate_proj, mlp.up_proj)(h))
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
+            x, h = row_ops.add_rms_norm(x, frozen_linear(mlp, "down", mlp.down_proj)(up), *_norm(after))
+            if i in wanted:
+                wanted[i] = x
+        features = torch.cat([wanted[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return h, features
 
     def _attention(self, attn, h, cos, sin, layer: int, batch: PackedBatch, groups: list[_AttnGroup]):
         c = self.config
