@@ -44,9 +44,11 @@ def test_promotion_and_rollback_reach_a_running_engine(tmp_path, tiny32, mlflow_
             follower.start()
             v2 = reg.register(tmp_path / "d2", lineage={"n_records": 0})
             reg.promote(v2, who="test", reason="better")
-            took = _wait(lambda: engine.drafter_version == v2)
+            # The engine swaps at its next step, possibly before the follower's thread records it:
+            # wait for both.
+            took = _wait(lambda: engine.drafter_version == v2 and len(follower.status.applied) == 1)
             reg.rollback(who="test", reason="regression in production")
-            took_back = _wait(lambda: engine.drafter_version == v1)
+            took_back = _wait(lambda: engine.drafter_version == v1 and len(follower.status.applied) == 2)
             assert follower.status.applied == [v2, v1] and not follower.status.failed
             assert took < 20 and took_back < 20
             # Requests still decode losslessly with the restored drafter.
