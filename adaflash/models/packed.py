@@ -70,6 +70,7 @@ class FrozenLinear:
         self.bias = torch.cat(biases) if any(lin.bias is not None for lin in linears) else None
         self.sizes = [lin.out_features for lin in linears]
         self.out_features = w.shape[0]
+        self.dtype = w.dtype
         on_cpu = _PACKED and w.device.type == "cpu"
         self.kernel = "plain"
         self.weight = w
@@ -126,9 +127,11 @@ class FrozenLinear:
         return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "rowwise" and x.dtype == self.dtype and x.dim() == 2 and x.shape[0] <= LARGE_ROWS:
+            return self._rowwise(x)  # a decode step's call, ~120 per step: the shortest path
         if self.kernel == "plain":
             return F.linear(x, self.weight, self.bias)
-        if x.dtype != self.sources[0].weight.dtype:  # what the modules themselves do (or how they fail)
+        if x.dtype != self.dtype:  # what the modules themselves do (or how they fail)
             return torch.cat([lin(x) for lin in self.sources], dim=-1)
         rows = x.reshape(-1, x.shape[-1])
         if self.kernel == "rowwise" and (rows.shape[0] <= LARGE_ROWS or self.large is None):

@@ -17,6 +17,7 @@ It lives in the library `kernels.py` builds. Without a compiler (or with `ADAFLA
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from adaflash.models.kernels import library
 
 
+@cache  # read once per process: matmul runs ~120 times per decode step
 def _library():
     return library() if os.environ.get("ADAFLASH_ROWWISE", "1") != "0" else None
 
@@ -48,15 +50,15 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """`x` [M, K] (fp32) times the packed weight's transpose: [M, n], the same bits per row for any M."""
     lib = _library()
     assert lib is not None and x.dtype == torch.float32 and packed.dtype == torch.float32
-    if x.device.type != "cpu" or packed.device.type != "cpu":
+    if not (x.is_cpu and packed.is_cpu):
         raise ValueError(f"the row-wise matmul runs on the CPU (rows: {x.device}, weight: {packed.device})")
     x = x.contiguous()
     m, k = x.shape
     if k != packed.shape[1]:
         raise ValueError(f"rows have {k} features, the weight expects {packed.shape[1]}")
-    # the device named: under `torch.device("meta")` (tests/test_device.py) a bare empty() is
+    # on the rows' device: under `torch.device("meta")` (tests/test_device.py) a bare empty() is
     # a meta tensor, and its data_ptr would be handed to C
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    y = x.new_empty((m, n))
     if m:
         lib.rowwise_matmul(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
