@@ -50,3 +50,21 @@ def terminate(pid: int, timeout: float = 10.0, group: bool = False) -> None:
         kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def group_cpu_seconds(pgid: int) -> float | None:
+    """CPU seconds used so far by the processes of group `pgid`, with the children they have
+    reaped (a compiler run, a forked worker); None where there is no /proc to read."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    ticks = 0
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+            rest = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if int(rest[2]) == pgid:  # fields 5 (pgrp), 14-17 (utime, stime, cutime, cstime)
+            ticks += sum(int(x) for x in rest[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -29,6 +29,14 @@ def _unit(name: str, script: str, spawned: list) -> Unit:
     return Unit(name, spawn, lambda: True, lambda: None)
 
 
+def _kill_groups(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait(cond, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -117,12 +125,57 @@ def test_restarts_gives_up_retries_and_cleans_up(tmp_path: Path):
         assert svc("steady")["restarts"] == 0 and svc("steady")["pid"] == steady
     finally:
         sup.stop()
-        for pid in spawned:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_groups(spawned)
     # Stopped: nothing is started any more, whatever dies.
     n = len(spawned)
     time.sleep(1.0)
     assert len(spawned) == n
+
+
+def test_a_start_is_bounded_by_its_progress_not_by_the_clock(tmp_path: Path):
+    """A service still working after ready_timeout_s (a serve loading and timing its model on a
+    busy machine) is waited for; one that makes no progress fails after it; a start that works
+    forever without getting ready fails at the cap."""
+    spawned: list[int] = []
+    ready = tmp_path / "busy.ready"
+    busy = (
+        "import time, pathlib\nt = time.process_time()\n"
+        "while time.process_time() - t < 3.0:\n    pass\n"
+        f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)"
+    )
+
+    def unit(name, script, is_ready):
+        def spawn():
+            p = _proc(script)
+            spawned.append(p.pid)
+            return p
+
+        return Unit(name, spawn, is_ready, lambda: None)
+
+    units = [
+        unit("busy", busy, ready.exists),  # 3 CPU seconds of start-up: past the 1 s timeout
+        unit("stuck", "import time; time.sleep(120)", lambda: False),  # blocked: no CPU, never ready
+        unit("spinning", "while True:\n    pass", lambda: False),  # works, never ready: the cap
+    ]
+    policy = RestartPolicy(
+        base_s=0.1, cap_s=0.2, max_restarts=0, window_s=60, ready_timeout_s=1.0, ready_cap_s=8.0
+    )
+    t0 = time.monotonic()
+    # One supervisor each: a supervisor starts a service once those before it are ready.
+    sups = [Supervisor([u], policy, tmp_path / f"{u.name}.json").start() for u in units]
+    try:
+
+        def svc(name):
+            return read_state(tmp_path / f"{name}.json").get("services", {}).get(name, {})
+
+        _wait(lambda: svc("stuck").get("state") == "gave up")
+        assert "no progress for 1s" in svc("stuck")["note"]
+        assert time.monotonic() - t0 < 6.0  # failed at its timeout, not at the cap
+        _wait(lambda: svc("busy").get("state") == "running", timeout=30.0)
+        assert ready.exists()
+        _wait(lambda: svc("spinning").get("state") == "gave up", timeout=30.0)
+        assert "not ready within 8s" in svc("spinning")["note"]
+    finally:
+        for sup in sups:
+            sup.stop()
+        _kill_groups(spawned)

@@ -220,7 +220,9 @@ class Stack:
 
     def up(self, timeout: float = 180.0, progress=lambda name: None) -> None:
         """Start the supervisor (or ask the running one to retry what is not running) and wait
-        until every service is up; a service that fails to start raises with its log."""
+        until every service is up; a service that fails to start raises with its log. `timeout`
+        bounds each wait for a service that is not starting (waiting, backing off); a start in
+        progress is the supervisor's to bound, by its progress (`RestartPolicy`)."""
         pid = self._supervisor_pid()
         gen = 0
         if pid is None:
@@ -245,6 +247,8 @@ class Stack:
                         break
                     if svc.get("state") == "gave up":
                         raise StackError(f"{name}: {svc.get('note')}; see {self._log_of(name)}")
+                    if svc.get("state") == "starting":  # still working: the supervisor bounds a
+                        deadline = time.monotonic() + timeout  # start (RestartPolicy), not this wait
                 if time.monotonic() > deadline:
                     raise StackError(
                         f"{name} did not become healthy in {timeout:.0f}s; see {self._log_of(name)}"

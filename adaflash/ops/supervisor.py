@@ -35,7 +35,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from adaflash.procs import alive
+from adaflash.procs import alive, group_cpu_seconds
+
+PROGRESS_EVERY_S = 2.0  # how often a starting service's CPU time is read
+MIN_PROGRESS_CPU_S = 0.05  # CPU seconds per 2 s that count as working (a blocked process uses ~0)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,12 @@ class RestartPolicy:
     cap_s: float = 30.0  # longest delay between restarts
     max_restarts: int = 5  # within window_s; one more death and the supervisor gives up
     window_s: float = 300.0
-    ready_timeout_s: float = 180.0  # a (re)started service must pass its readiness probe by then
+    # A (re)starting service fails once it has made no progress (used no CPU, its process group
+    # counted) for ready_timeout_s, or has not passed its readiness probe within ready_cap_s. A
+    # start that is still working (loading weights, compiling kernels, timing its cost model) on
+    # a machine busy with something else is slow, not failed.
+    ready_timeout_s: float = 180.0
+    ready_cap_s: float = 1800.0
 
     def delay(self, recent: int) -> float:
         """Seconds to wait before the restart that follows `recent` restarts in the window."""
@@ -98,6 +106,27 @@ def _wait_exit(pid: int) -> None:
             return
         except InterruptedError:
             continue
+
+
+class _Progress:
+    """Whether a starting service is still working: its process group's CPU time grew within
+    the last `timeout` seconds (looked at every PROGRESS_EVERY_S at most). Without /proc, a fixed
+    deadline."""
+
+    def __init__(self, pgid: int, timeout: float) -> None:
+        self.pgid, self.timeout = pgid, timeout
+        self.every = min(PROGRESS_EVERY_S, timeout / 2)
+        self.cpu = group_cpu_seconds(pgid)
+        now = time.monotonic()
+        self.stalls_at, self.next_look = now + timeout, now + self.every
+
+    def working(self, now: float) -> bool:
+        if self.cpu is not None and now >= self.next_look:
+            used = group_cpu_seconds(self.pgid) or 0.0
+            if used > self.cpu + MIN_PROGRESS_CPU_S * self.every / PROGRESS_EVERY_S:
+                self.stalls_at = now + self.timeout
+            self.cpu, self.next_look = used, now + self.every
+        return now <= self.stalls_at
 
 
 def _exited(pid: int) -> bool:
@@ -257,7 +286,8 @@ class Supervisor:
             except Exception as e:  # noqa: BLE001 - a port in use, a missing binary: report it
                 return None, str(e)
         self._set(u, pid=proc.pid)
-        deadline = time.monotonic() + self.policy.ready_timeout_s
+        start = time.monotonic()
+        progress = _Progress(proc.pid, self.policy.ready_timeout_s)
         while not self._stop.is_set():
             if _exited(proc.pid):
                 return proc, f"{_reap(proc)} during start-up"
@@ -269,9 +299,13 @@ class Supervisor:
                     return proc, None
             except Exception as e:  # noqa: BLE001 - e.g. topics not creatable yet: probe again
                 log.debug("%s not ready yet: %s", u.name, e)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if not progress.working(now):
                 _reap(proc)
-                return proc, f"not ready within {self.policy.ready_timeout_s:.0f}s"
+                return proc, f"not ready, and no progress for {self.policy.ready_timeout_s:.0f}s"
+            if now > start + self.policy.ready_cap_s:
+                _reap(proc)
+                return proc, f"not ready within {self.policy.ready_cap_s:.0f}s"
             time.sleep(0.2)
         return proc, None
 
