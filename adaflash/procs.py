@@ -52,6 +52,21 @@ def terminate(pid: int, timeout: float = 10.0, group: bool = False) -> None:
         pass
 
 
+def _stat(path: Path) -> list[str] | None:
+    """Fields 3 onward of a `/proc/<pid>/stat`, or None once the process is gone. The command
+    name (field 2) may hold spaces and parentheses: split after the last ')'."""
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) `pid` has used so far; None without /proc or once it is gone."""
+    fields = _stat(Path(f"/proc/{pid}/stat"))
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def group_cpu_seconds(pgid: int) -> float | None:
     """CPU seconds used so far by the processes of group `pgid`, with the children they have
     reaped (a compiler run, a forked worker); None where there is no /proc to read."""
@@ -60,11 +75,7 @@ def group_cpu_seconds(pgid: int) -> float | None:
         return None
     ticks = 0
     for stat in proc.glob("[0-9]*/stat"):
-        try:
-            # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-            rest = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited while we looked
-        if int(rest[2]) == pgid:  # fields 5 (pgrp), 14-17 (utime, stime, cutime, cstime)
-            ticks += sum(int(x) for x in rest[11:15])
+        fields = _stat(stat)
+        if fields is not None and int(fields[2]) == pgid:  # fields 5 (pgrp), 14-17 (utime..cstime)
+            ticks += sum(int(x) for x in fields[11:15])
     return ticks / os.sysconf("SC_CLK_TCK")

@@ -20,13 +20,13 @@ def _proc(script: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
 
 
-def _unit(name: str, script: str, spawned: list) -> Unit:
+def _unit(name: str, script: str, spawned: list, ready=lambda: True) -> Unit:
     def spawn():
         p = _proc(script)
         spawned.append(p.pid)
         return p
 
-    return Unit(name, spawn, lambda: True, lambda: None)
+    return Unit(name, spawn, ready, lambda: None)
 
 
 def _kill_groups(pids: list[int]) -> None:
@@ -143,19 +143,10 @@ def test_a_start_is_bounded_by_its_progress_not_by_the_clock(tmp_path: Path):
         "while time.process_time() - t < 3.0:\n    pass\n"
         f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)"
     )
-
-    def unit(name, script, is_ready):
-        def spawn():
-            p = _proc(script)
-            spawned.append(p.pid)
-            return p
-
-        return Unit(name, spawn, is_ready, lambda: None)
-
     units = [
-        unit("busy", busy, ready.exists),  # 3 CPU seconds of start-up: past the 1 s timeout
-        unit("stuck", "import time; time.sleep(120)", lambda: False),  # blocked: no CPU, never ready
-        unit("spinning", "while True:\n    pass", lambda: False),  # works, never ready: the cap
+        _unit("busy", busy, spawned, ready.exists),  # 3 CPU seconds of start-up: past the 1 s timeout
+        _unit("stuck", "import time; time.sleep(120)", spawned, lambda: False),  # blocked, never ready
+        _unit("spinning", "while True:\n    pass", spawned, lambda: False),  # works, never ready: the cap
     ]
     policy = RestartPolicy(
         base_s=0.1, cap_s=0.2, max_restarts=0, window_s=60, ready_timeout_s=1.0, ready_cap_s=8.0

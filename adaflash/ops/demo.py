@@ -33,6 +33,7 @@ from adaflash.errors import AdaFlashError
 from adaflash.feedback import topics
 from adaflash.feedback.broker import free_port
 from adaflash.governance.synthetic import ANOMALIES, CANARIES, PROMPT_TEMPLATES, TrafficGenerator
+from adaflash.procs import cpu_seconds
 from adaflash.workloads import DOMAINS, load_prompts
 
 # Per-record anomalies the demo plants on the raw topic. Floods are bursts of otherwise-valid
@@ -416,11 +417,7 @@ class Scenario:
         """CPU time of the serving process so far (Linux /proc): on a shared machine tokens per
         server CPU-second compare two drafters where wall-clock tok/s also measures the neighbours."""
         pid = next(s.pid() for s in self.stack.services if s.name == "serve")
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError, TypeError):
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return cpu_seconds(pid) if pid is not None else None
 
     def serve_fresh(self, version: str, title: str) -> dict:
         """The fresh prompts through the OpenAI API at `fresh_concurrency`, on whatever the server

@@ -38,7 +38,7 @@ from pathlib import Path
 from adaflash.procs import alive, group_cpu_seconds
 
 PROGRESS_EVERY_S = 2.0  # how often a starting service's CPU time is read
-MIN_PROGRESS_CPU_S = 0.05  # CPU seconds per 2 s that count as working (a blocked process uses ~0)
+MIN_PROGRESS_CPU_SHARE = 0.025  # CPU seconds per second that count as working (blocked: ~0)
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class _Progress:
 
     def working(self, now: float) -> bool:
         if self.cpu is not None and now >= self.next_look:
-            used = group_cpu_seconds(self.pgid) or 0.0
-            if used > self.cpu + MIN_PROGRESS_CPU_S * self.every / PROGRESS_EVERY_S:
+            used = group_cpu_seconds(self.pgid)
+            if used > self.cpu + MIN_PROGRESS_CPU_SHARE * self.every:
                 self.stalls_at = now + self.timeout
             self.cpu, self.next_look = used, now + self.every
         return now <= self.stalls_at
