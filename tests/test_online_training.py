@@ -141,3 +141,42 @@ def test_online_trainer_improves_acceptance_resumes_and_saves_a_loadable_drafter
         [records[0].record.prompt_token_ids], DecodeConfig("adaflash", 24)
     )
     assert ar[0].token_ids == sd[0].token_ids
+
+
+def test_length_head_learns_only_from_held_out_labels(tiny32, tmp_path):
+    """After its first pass over a record the drafter has fitted it, so later epochs' acceptance
+    (and any replayed record's) is in-sample: the head must not learn from it, while the drafter
+    keeps training. With head_labels="all" it does, so this test can fail."""
+    bundle = make_bundle(tiny32, block_size=8, seed=5)
+    records = _served_records(tiny32, bundle, n=4, max_new=32)
+    replayed = [records[0].record.record_id, records[1].record.record_id]
+
+    def train(name: str, **kw) -> tuple[dict, dict, dict]:
+        champion = make_bundle(tiny32, block_size=8, seed=5)
+        cfg = OnlineConfig(lr=2e-3, head_lr=2e-3, **kw)
+        metrics = OnlineTrainer(tiny32, champion, tmp_path / name, cfg).train(records, replayed=replayed)
+        heads = {k: v.clone() for k, v in champion.length_head.state_dict().items()}
+        return heads, {k: v.clone() for k, v in champion.drafter.state_dict().items()}, metrics
+
+    head1, drafter1, m1 = train("one", epochs=1)
+    head2, drafter2, m2 = train("two", epochs=2)
+    # Epoch 2 moves the drafter but leaves the head exactly where epoch 1 left it.
+    assert all(torch.equal(head1[k], head2[k]) for k in head1)
+    assert any(not torch.equal(drafter1[k], drafter2[k]) for k in drafter1)
+    # Only the two new records' blocks labelled the head, and only in the first epoch.
+    new_blocks = m1["epochs"][0]["head_blocks"]
+    assert 0 < new_blocks < m1["epochs"][0]["blocks"]
+    assert m2["epochs"][1]["head_blocks"] == 0
+
+    head_all, _, m_all = train("all", epochs=2, head_labels="all")
+    assert m_all["epochs"][1]["head_blocks"] == m_all["epochs"][1]["blocks"]
+    assert any(not torch.equal(head2[k], head_all[k]) for k in head2)
+
+    # Every record replayed: the head keeps its champion's weights.
+    champion = make_bundle(tiny32, block_size=8, seed=5)
+    before = {k: v.clone() for k, v in champion.length_head.state_dict().items()}
+    ids = [r.record.record_id for r in records]
+    OnlineTrainer(tiny32, champion, tmp_path / "replay", OnlineConfig(lr=2e-3, head_lr=2e-3)).train(
+        records, replayed=ids
+    )
+    assert all(torch.equal(before[k], v) for k, v in champion.length_head.state_dict().items())

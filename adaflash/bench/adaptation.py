@@ -228,7 +228,7 @@ class _Loop:
                    "train_record_ids": sorted(new_ids | {c.record.record_id for c in replayed}),
                    "replay_record_ids": [c.record.record_id for c in replayed]}  # fmt: skip
         trainer = OnlineTrainer(self.target, self.bundle, out, cfg)
-        metrics = trainer.train(self.clean + replayed, lineage=lineage)
+        metrics = trainer.train(self.clean + replayed, lineage=lineage, replayed=lineage["replay_record_ids"])
         self.dir = out
         self.bundle = load_drafter_for(out, self.target)
         return {

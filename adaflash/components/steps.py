@@ -381,7 +381,9 @@ def train(
     lineage = {"train_record_ids": snapshot.lineage["train_record_ids"], "parent": parent}
     bundle = load_drafter_for(champion_dir, target)
     trainer = OnlineTrainer(target, bundle, out, cfg, data_parallel=data_parallel)
-    metrics = trainer.train(snapshot.train, lineage=lineage)
+    # Replayed records trained an ancestor already: the length head does not learn from them.
+    replayed = snapshot.lineage.get("replay_record_ids", ())
+    metrics = trainer.train(snapshot.train, lineage=lineage, replayed=replayed)
     world = data_parallel.world_size if data_parallel else 1
     # The budget as it ran, in steps: what a reader of the registry compares across versions.
     return {"loss": cfg.loss, "train_tau_last_epoch": metrics["epochs"][-1]["train_tau"],

@@ -6,8 +6,15 @@ teacher distribution over every served sequence — records carry no vocab-sized
 drafter warm-starts from the current champion; AdamW with separate learning rates for drafter
 and length head; batch 1 with gradient accumulation, a fixed number of epochs over the buffer.
 `loss` selects OPD (ours), OSD (forward KL on rejected positions) or FKL so baselines share
-the code. Resumable: state is saved at an optimiser step every few minutes and at the end of each
-epoch.
+the code.
+
+The length head learns from held-out labels only (`head_labels="held_out"`): a block's a* counts
+only on a record's first pass in the first epoch, and never on a replayed record (an ancestor
+drafter trained on it). Anywhere else the drafter has already fitted that sequence, its acceptance
+there is in-sample and higher than on traffic it has not seen, and a head trained on it
+over-predicts â on live traffic.
+
+Resumable: state is saved at an optimiser step every few minutes and at the end of each epoch.
 
 Data-parallel (`distributed.py`): given a `DataParallel`, the same records, order and global
 batch (`grad_accum` records per step) are split over the ranks, DDP averages the gradients of
@@ -23,10 +30,11 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -57,6 +65,9 @@ class OnlineConfig:
     position_decay: float | None = 7.0
     checkpoint_every_minutes: float = 5.0
     seed: int = 0
+    # "held_out": the length head learns only from blocks the drafter had not trained on (first
+    # epoch, new records); "all": from every block of every epoch (the in-sample labels).
+    head_labels: Literal["held_out", "all"] = "held_out"
 
 
 @dataclass
@@ -91,7 +102,7 @@ def buffer_digest(records: list[CleanRecord]) -> str:
 
 
 # The running sums of an epoch, in this order (one tensor to all-reduce per step).
-TOTALS = ("loss", "head_mse", "accepted", "blocks", "rows")
+TOTALS = ("loss", "head_mse", "accepted", "blocks", "rows", "head_blocks")
 
 
 class _Student(torch.nn.Module):
@@ -165,6 +176,12 @@ class OnlineTrainer:
         anchor_ids, served = [a for a, _ in pairs], [s for _, s in pairs]
         return torch.tensor(anchor_ids, device=self.device), torch.tensor(served, device=self.device)
 
+    def _labels_head(self, rec: CleanRecord) -> bool:
+        """Whether this pass's acceptance is out-of-sample, so the length head may learn from it."""
+        if self.cfg.head_labels == "all":
+            return True
+        return self.state.epoch == 0 and rec.record.record_id not in self._replayed
+
     def _accumulate(
         self, recs: list[CleanRecord], first: int, of: int, fallback: CleanRecord
     ) -> torch.Tensor:
@@ -174,7 +191,9 @@ class OnlineTrainer:
         Each loss is scaled by world/grad_accum: DDP averages over the world, so the step's
         gradient is the sum over its records / grad_accum, as in one process. Only the last
         backward of a step all-reduces (DDP's no_sync before it). A rank whose share of a short
-        last step is empty still joins that all-reduce, with `fallback` at weight 0.
+        last step is empty still joins that all-reduce, with `fallback` at weight 0. The head's
+        loss is weighted 0 on a pass whose labels are in-sample (`_labels_head`), not left out:
+        DDP's reducer expects a gradient for every parameter in every backward.
         """
         c, epoch = self.cfg, self.state.epoch
         world = self.dp.world_size if self.dp else 1
@@ -190,12 +209,20 @@ class OnlineTrainer:
             sync = nullcontext() if last or self.dp is None else self.student.no_sync()
             with sync:
                 out = self.student(model, sp, anchors, self.objective, self.weights, served)
-                ((out.drafter + out.head) * scale).backward()
+                head_w = float(self._labels_head(rec))
+                ((out.drafter + out.head * head_w) * scale).backward()
             if not scale:
                 continue
             n = anchors.numel()
             sums += torch.tensor(
-                [out.drafter.item() * n, out.head.item() * n, float(out.accepted.sum()), n, out.rows],
+                [
+                    out.drafter.item() * n,
+                    out.head.item() * n * head_w,
+                    float(out.accepted.sum()),
+                    n,
+                    out.rows,
+                    n * head_w,
+                ],
                 dtype=torch.float64,
                 device=self.device,
             )
@@ -238,8 +265,13 @@ class OnlineTrainer:
         self.state = OnlineState(**saved["state"])
         self.progress("resume", {"epoch": self.state.epoch, "cursor": self.state.cursor})
 
-    def train(self, records: list[CleanRecord], lineage: dict | None = None) -> dict:
-        """Train on `records` for the configured epochs; writes the drafter directory to `out`."""
+    def train(
+        self, records: list[CleanRecord], lineage: dict | None = None, replayed: Collection[str] = ()
+    ) -> dict:
+        """Train on `records` for the configured epochs; writes the drafter directory to `out`.
+        `replayed`: the ids of records an ancestor drafter already trained on (a replay window's),
+        whose acceptance the length head does not learn from."""
+        self._replayed = frozenset(replayed)
         usable = [
             r for r in records if served_anchors(r, self.drafter.block_size)[0] or self.cfg.random_anchors
         ]
@@ -265,6 +297,11 @@ class OnlineTrainer:
                     [usable[order[i]] for i in mine], mine.start, len(order), usable[order[lo]]
                 )
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+                if not any(self._labels_head(usable[order[i]]) for i in range(lo, hi)):
+                    # No held-out label in this global step: AdamW skips a parameter without a
+                    # gradient, where a zero gradient would still move it by its momentum.
+                    for p in self.head.parameters():
+                        p.grad = None
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
                 self.state.step += 1
@@ -281,7 +318,9 @@ class OnlineTrainer:
                 {
                     "epoch": self.state.epoch,
                     "loss": totals["loss"] / b,
-                    "head_mse": totals["head_mse"] / b,
+                    # over the blocks the head learnt from (held-out: the prequential MSE)
+                    "head_mse": totals["head_mse"] / max(totals["head_blocks"], 1),
+                    "head_blocks": int(totals["head_blocks"]),
                     # τ of the drafter while it trained on these blocks (counterfactual, full k)
                     "train_tau": 1 + totals["accepted"] / b,
                     "blocks": int(totals["blocks"]),
