@@ -108,7 +108,7 @@ bench-governance: setup
 # else running). Resumable: rerun the same command after an interruption and it continues.
 bench-online: setup
 	ADAFLASH_THREADS=2 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 10 \
-		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 4 \
+		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 8 \
 		--out benchmarks/online-shift --work .adaflash/adapt-shift  # = the defaults, spelled out
 
 # -- cluster manifests (issue 7) ----------------------------------------------------------------------

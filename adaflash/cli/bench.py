@@ -109,7 +109,7 @@ def adapt(
     ] = 8,
     c1_prompts: Annotated[
         int, typer.Option(help="first prompts of each round also served one at a time (0: none)")
-    ] = 4,
+    ] = 8,
     frozen_cost: Annotated[
         bool, typer.Option(help="also serve the frozen drafter with adaflash's cost-aware policy")
     ] = True,
