@@ -99,13 +99,12 @@ def _engine(target: Target, bundle: DrafterBundle | None, concurrency: int, max_
 def _warm_up(target: Target) -> None:
     """An untimed request before the first timed cell: a process's first engine packs the
     target's weights and loads the kernels, which ran inside round 0's first AR cell (40 against
-    99 tok/s for the second) and inflated every round-0 ratio to AR."""
-    from adaflash.serving.engine import GenParams, Request
+    99 tok/s for the second) and inflated every round-0 ratio to AR. The serving bench's
+    warm-up, one short cell."""
+    from adaflash.bench.serving import run_cell
 
     ids = target.tokenizer.chat_prompt("def warm_up():")
-    engine = _engine(target, None, 1, len(ids) + 8)
-    engine.submit(Request(list(ids), GenParams(max_tokens=2)))
-    engine.run_until_idle()
+    run_cell(_engine(target, None, 1, len(ids) + 8), [ids], "ar", 1, 2)
 
 
 def serve_records(

@@ -158,6 +158,7 @@ class OnlineTrainer:
         self.objective = Objective(cfg.loss, cfg.alpha, cfg.delta)
         self.weights = position_weights(self.drafter.block_size, cfg.position_decay, self.device)
         self.state = OnlineState()
+        self._replayed: frozenset[str] = frozenset()  # set by train(): see _labels_head
 
     def _anchors(self, rec: CleanRecord, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Seeded by the record (str seeds hash deterministically across processes): the same
