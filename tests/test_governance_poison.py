@@ -5,10 +5,14 @@ in = clean + quarantined + duplicate, and every good record around the poison co
 from __future__ import annotations
 
 import json
+import logging
+import math
 from datetime import UTC, datetime
 
+from adaflash.components.steps import ingest
 from adaflash.feedback import topics
 from adaflash.feedback.schema import parse_record
+from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.filters import FilterConfig
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.payloads import json_depth_exceeds
@@ -113,3 +117,101 @@ def test_a_stage_that_raises_on_one_record_quarantines_only_that_record(tmp_path
     (q,) = out.quarantined
     assert q.record_id == bad["record_id"] and q.reasons[0].code == "scrub_failed"
     assert q.record is None and q.raw_scrubbed is None  # its text was never scrubbed: not kept
+
+
+# -- issue 32: non-finite numbers ------------------------------------------------------------------------
+# Every numeric field of a raw record a JSON reader can fill with a non-finite float: Python's
+# json reads 1e400 as inf and the NaN/Infinity literals as such, and pydantic accepts them.
+NON_FINITE = ["1e400", "-1e400", "NaN", "Infinity", "-Infinity"]
+NUMERIC_FIELDS = [
+    ("gamma",),
+    ("sampling", "temperature"),
+    ("sampling", "top_p"),
+    ("latency", "ttft_ms"),
+    ("latency", "e2e_ms"),
+    ("latency", "itl_ms", 0),
+    ("rounds", 0, "a_hat"),
+]
+_MARK = 123456.75  # a float json.dumps writes exactly, replaced by the literal in the text
+
+
+def _with_literal(rec: dict, path: tuple, literal: str) -> bytes:
+    node = rec
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = _MARK
+    text = json.dumps(rec)
+    assert text.count(str(_MARK)) == 1
+    return text.replace(str(_MARK), literal).encode()
+
+
+def _all_finite(x) -> bool:
+    if isinstance(x, float):
+        return math.isfinite(x)
+    if isinstance(x, dict):
+        return all(_all_finite(v) for v in x.values())
+    if isinstance(x, list):
+        return all(_all_finite(v) for v in x)
+    return True
+
+
+def test_non_finite_numbers_are_quarantined_and_every_shard_stays_readable(tmp_path, vocab, scrubber):
+    """Invariants: every numeric field in a clean record is finite; a clean shard is always
+    readable. A poison number used to pass as clean, be written as null and make the tenant's
+    shard (its normal records too) unreadable, so `ingest` failed on every later run."""
+    by = load_prompts("train")
+    gen = TrafficGenerator(vocab, [p.text for p in by["math"][:100]], seed=9, tenants=1)
+    good = [gen.normal(pii_fraction=0.0) for _ in range(20)]
+    poison = {}
+    for path in NUMERIC_FIELDS:
+        for literal in NON_FINITE:
+            rec = _record_json(gen)
+            poison[rec["record_id"]] = (".".join(map(str, path)), _with_literal(rec, path, literal))
+    values = [m.value for m in good] + [v for _, v in poison.values()]
+    msgs = [Message(topics.RAW, 0, i, b"tenant-00", v) for i, v in enumerate(values)]
+
+    gov = Governor(GovernanceConfig(data_dir=tmp_path / "gov", filters=FILTERS), vocab, scrubber)
+    out = gov.govern(msgs)
+    gov.persist(out, datetime.now(UTC), None)
+
+    assert {c.record.record_id for c in out.clean} == {m.planted.record_id for m in good}
+    assert all(_all_finite(c.record.model_dump()) for c in out.clean)
+    by_id = {q.record_id: q for q in out.quarantined}
+    for rid, (field, _) in poison.items():
+        reasons = by_id[rid].reasons
+        assert any(r.code == "non_finite" and field in r.detail for r in reasons), (field, reasons)
+    shards = gov.buffer.shard_files()
+    assert shards and sum(len(ReplayBuffer.read_shard(p)) for p in shards) == len(good)
+    gov.lineage.close()
+    snap = ingest(tmp_path / "gov", min_records=1)  # reads every shard after the poison
+    assert len(snap.train) + len(snap.heldout) == len(good)
+    assert snap.lineage["skipped_shards"] == [] and snap.lineage["skipped_records"] == 0
+
+
+def test_ingest_skips_an_unreadable_shard_and_a_bad_row_with_a_reason(tmp_path, vocab, scrubber, caplog):
+    """A shard that cannot be read (today's null-for-NaN rows, a torn file) is skipped with a
+    logged reason and counted; it does not fail every later run, and the rest still trains."""
+    by = load_prompts("train")
+    gen = TrafficGenerator(vocab, [p.text for p in by["math"][:100]], seed=10, tenants=3)
+    good = [gen.normal(pii_fraction=0.0) for _ in range(30)]
+    gov = Governor(GovernanceConfig(data_dir=tmp_path / "gov", filters=FILTERS), vocab, scrubber)
+    out = gov.govern([Message(topics.RAW, 0, i, None, m.value) for i, m in enumerate(good)])
+    gov.persist(out, datetime.now(UTC), None)
+    rows = gov.lineage.shards()
+    assert len(rows) >= 2
+    torn, poisoned = (gov.buffer.root / r["path"] for r in rows[:2])
+    torn.write_bytes(torn.read_bytes()[:100])  # a torn file: not Parquet any more
+    recs = ReplayBuffer.read_shard(poisoned)
+    bad = recs[0].model_copy(update={"record": recs[0].record.model_copy(update={"gamma": math.inf})})
+    info = gov.buffer.write_shard(rows[1]["tenant_id"], rows[1]["date"], [bad, *recs[1:]])
+    info.path.replace(poisoned)  # the shard as it was written before the fix: gamma null
+    gov.lineage.close()
+
+    caplog.set_level(logging.WARNING, logger="adaflash")
+    snap = ingest(tmp_path / "gov", min_records=1)
+    n_torn = rows[0]["n_records"]
+    assert len(snap.train) + len(snap.heldout) == len(good) - n_torn - 1
+    assert snap.lineage["skipped_shards"] == [rows[0]["shard_id"]]
+    assert snap.lineage["skipped_records"] == n_torn + 1
+    assert rows[0]["shard_id"] not in snap.shard_ids and rows[1]["shard_id"] in snap.shard_ids
+    assert "unreadable" in caplog.text

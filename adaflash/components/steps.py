@@ -19,6 +19,7 @@ cluster and the tests run the same code.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from collections import defaultdict
@@ -37,6 +38,8 @@ if TYPE_CHECKING:  # annotations only: the steps import models and training insi
     from adaflash.models.targets import Target
     from adaflash.training.distributed import DataParallel
     from adaflash.training.online import OnlineConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,7 +103,8 @@ def ingest(
     finally:
         store.close()
     buffer = ReplayBuffer(governance_dir / "buffer")
-    records = [r for s in shards for r in buffer.read_shard(buffer.root / s["path"])]
+    new = _read_shards(buffer, shards)
+    records, shards = new.records, [s for s in shards if s["shard_id"] not in new.skipped_shards]
     if len(records) < min_records:
         raise NotEnoughData(f"{len(records)} new clean records; a run needs at least {min_records}")
     records.sort(key=lambda r: r.record.record_id)
@@ -117,7 +121,7 @@ def ingest(
         n_held = max(1, int(len(records) * heldout_fraction))
         heldout, train = records[:n_held], records[n_held:]
     # Replayed records only ever train: the held-out side stays new traffic no version has seen.
-    old = [r for s in earlier for r in buffer.read_shard(buffer.root / s["path"])]
+    old = _read_shards(buffer, earlier).records
     replayed = replay_sample(old, replay, seed, exclude={r.record.record_id for r in records})
     train = train + replayed
     tenants = sorted({r.record.tenant_id for r in records})
@@ -138,9 +142,39 @@ def ingest(
         "replay_window": asdict(replay),
         "tenants": tenants,
         "offsets": offsets,
+        "skipped_shards": new.skipped_shards,
+        "skipped_records": new.skipped_records,
         "ingested_at": time.time(),
     }
     return Snapshot(train, heldout, [s["shard_id"] for s in shards], lineage)
+
+
+@dataclass
+class _ShardsRead:
+    records: list[CleanRecord] = field(default_factory=list)
+    skipped_shards: list[str] = field(default_factory=list)  # files that could not be read at all
+    skipped_records: int = 0  # their records (as the lineage store counts them) and bad rows
+
+
+def _read_shards(buffer: ReplayBuffer, shards: list[dict]) -> _ShardsRead:
+    """Every record that reads back. One unreadable shard used to fail `ingest` on every later
+    run (issue 32): it is skipped with a logged reason and counted instead. A skipped file stays
+    out of the snapshot's shard ids, so no version claims to have trained on it."""
+    out = _ShardsRead()
+    for s in shards:
+        got = buffer.read_shard_tolerant(buffer.root / s["path"])
+        if got.error is not None:
+            log.warning("ingest: shard %s is unreadable, skipped (%s)", s["shard_id"], got.error)
+            out.skipped_shards.append(s["shard_id"])
+            out.skipped_records += s["n_records"]
+            continue
+        if got.bad_rows:
+            log.warning(
+                "ingest: %d record(s) of shard %s do not validate, skipped", got.bad_rows, s["shard_id"]
+            )
+            out.skipped_records += got.bad_rows
+        out.records.extend(got.records)
+    return out
 
 
 def _count_domains(records: list[CleanRecord]) -> dict[str, int]:

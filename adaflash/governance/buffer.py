@@ -26,6 +26,13 @@ class ShardInfo:
     n_records: int
 
 
+@dataclass(frozen=True)
+class ShardRead:
+    records: list[CleanRecord]
+    bad_rows: int  # rows that did not validate
+    error: str | None  # why the file could not be read at all; None when it could
+
+
 class ReplayBuffer:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -83,6 +90,26 @@ class ReplayBuffer:
 
         col = pq.read_table(path, columns=["clean_record"]).column("clean_record").to_pylist()
         return [CleanRecord.model_validate_json(x) for x in col]
+
+    @staticmethod
+    def read_shard_tolerant(path: Path) -> ShardRead:
+        """The shard's records that read back, and why the rest did not: a file that is not
+        Parquet (torn, truncated, gone) is skipped whole, a row that does not validate (a
+        non-finite number stored as null before issue 32) alone."""
+        import pyarrow.parquet as pq
+        from pydantic import ValidationError
+
+        try:
+            col = pq.read_table(path, columns=["clean_record"]).column("clean_record").to_pylist()
+        except (OSError, ValueError, KeyError) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
+            return ShardRead([], 0, f"{type(e).__name__}: {e}")
+        records, bad = [], 0
+        for x in col:
+            try:
+                records.append(CleanRecord.model_validate_json(x or ""))
+            except ValidationError:
+                bad += 1
+        return ShardRead(records, bad, None)
 
     def records(self, shard_paths: list[Path] | None = None) -> Iterator[CleanRecord]:
         for p in shard_paths if shard_paths is not None else self.shard_files():

@@ -9,6 +9,7 @@ Values of failing rows stay in memory: only expectation names and record ids are
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,6 +32,24 @@ class Limits:
 def distinct_ngram_ratio(ids: list[int], n: int = 4) -> float:
     grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def non_finite_fields(rec: FeedbackRecord) -> list[str]:
+    """Dotted paths of the record's non-finite floats. JSON readers turn 1e400 into inf and accept
+    NaN/Infinity literals; pydantic keeps them, but a record is written to the buffer as JSON, where
+    they become null and the shard no longer validates (issue 32). Every numeric field, not a list
+    of the ones known today: a new field must not reopen the hole."""
+    out: list[str] = []
+    stack: list[tuple[str, object]] = [("", rec.model_dump())]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            out.append(path)
+        elif isinstance(v, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}", x) for i, x in enumerate(v))
+    return sorted(out)
 
 
 def derive_row(rec: FeedbackRecord, tokenizer: Tokenizer, vocab_size: int, limits: Limits) -> dict:

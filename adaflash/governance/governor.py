@@ -39,7 +39,7 @@ from adaflash.feedback.schema import (
     parse_record,
 )
 from adaflash.governance.buffer import ReplayBuffer
-from adaflash.governance.checks import Limits, RecordValidator
+from adaflash.governance.checks import Limits, RecordValidator, non_finite_fields
 from adaflash.governance.filters import FilterConfig, FloodFilter, NearDuplicateFilter, minhash
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow
 from adaflash.governance.payloads import message_id, over_caps, rebuild, schema_code, strings_of
@@ -120,6 +120,14 @@ def _tenant_path_ok(tenant: str) -> bool:
     return 0 < len(tenant) <= 64 and all(c.isalnum() or c in "-_." for c in tenant) and tenant[0] != "."
 
 
+def _readable(clean: CleanRecord) -> bool:
+    """Whether the record reads back from the JSON the buffer stores: what `ingest` will do."""
+    try:
+        return CleanRecord.model_validate_json(clean.model_dump_json()) is not None
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return False
+
+
 class Governor:
     """The per-batch logic, independent of Kafka (the service feeds it; tests may too)."""
 
@@ -193,9 +201,17 @@ class Governor:
                 batch.unread.append((m, *cap))
                 continue
             try:
-                batch.parsed.append((m, parse_record(m.value)))
+                rec = parse_record(m.value)
             except SchemaError as exc:
                 batch.failed.append((m, schema_code(m.value), str(exc)))
+                continue
+            # A non-finite number is not a value any stage may judge (GX, the filters) and JSON
+            # cannot store it: the payload is set aside like one that did not parse (issue 32).
+            bad = non_finite_fields(rec)
+            if bad:
+                batch.failed.append((m, "non_finite", f"non-finite number in {', '.join(bad)}"))
+            else:
+                batch.parsed.append((m, rec))
         return batch
 
     def _scrub(self, batch: ParsedBatch) -> ScrubbedBatch:
@@ -290,7 +306,12 @@ class Governor:
             keep = not any(r.code in ("consent", "pii_unsure") for r in reasons)
             out.quarantined.append(audit_quarantine(rec, reasons, prov, clean_rec if keep else None))
         else:
-            out.clean.append(CleanRecord(record=clean_rec, provenance=prov))
+            clean = CleanRecord(record=clean_rec, provenance=prov)
+            if not _readable(clean):  # a clean shard must always read back (issue 32)
+                why = ("unreadable", "does not read back as JSON")
+                self._quarantine_message(out, m, rec.record_id, rec.tenant_id, *why, governed_at)
+                return
+            out.clean.append(clean)
         out.rows.append(row)
 
     def _route_unparsed(self, m: Message, code: str, detail: str, data: Any, done: list,
