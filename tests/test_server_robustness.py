@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 from adaflash.serving import verifier
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from tests.conftest import ar_reference, make_bundle
-from tests.test_server import serving
+from tests.test_server import TOKEN, serving
 from tests.test_speculative import V, _chi2_pvalue, _flat_drafter, _tiny_vocab_target, quick_train
 
 PROMPT = "question 7: why why 91"
@@ -122,6 +122,37 @@ POISON = [
     ("empty prompt", C, {"prompt": []}, 400, "empty"),
     ("missing prompt", C, {"max_tokens": 4}, 400, "prompt"),
     ("prompt of wrong type", C, {"prompt": {"a": 1}}, 400, "prompt"),
+    # Fields that would change the output are refused by name, never silently ignored (issue 32).
+    ("min_p", C, {"prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    (
+        "repetition_penalty",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.2},
+        400,
+        "repetition_penalty",
+    ),
+    ("guided_json", C, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    (
+        "tool_choice required",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
+    ("stop_token_ids", C, {"prompt": "hi", "stop_token_ids": [5]}, 400, "stop_token_ids"),
+    # Out of range or of the wrong type: a 400 naming the field, streaming or not.
+    ("top_k 2**63", C, {"prompt": "hi", "top_k": 2**63}, 400, "top_k"),
+    ("top_k 2**63, streaming", C, {"prompt": "hi", "top_k": 2**63, "stream": True}, 400, "top_k"),
+    (
+        "top_k 2**64, streaming chat",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**64, "stream": True},
+        400,
+        "top_k",
+    ),
+    ("booleans as token ids", C, {"prompt": [True, False]}, 400, "prompt"),
+    ("max_tokens true", C, {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("n 2.0", C, {"prompt": "hi", "n": 2.0}, 400, "n"),
     ("invalid JSON", C, b'{"prompt": "hi",', 400, ""),
     ("10,000-deep JSON", C, DEEP, 400, ""),
     ("JSON array body", C, b"[1, 2]", 400, ""),
@@ -143,6 +174,16 @@ def test_poison_requests_get_openai_4xx_and_the_server_keeps_serving(tiny64, ser
         assert nowhere.status_code == 404 and "error" in nowhere.json()
         assert c.get("/v1/models/adaflash").json()["id"] == "adaflash"
         assert c.get("/v1/models/gpt-4o").status_code == 404
+        # A 100k-character path: refused as a client error, not a 500 from inside the loader.
+        for path in ("/" + "a" * 100_000, "/tmp/" + "b" * 300 + "/x"):
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            r = c.post("/admin/drafter/reload", json={"path": path}, headers=auth)
+            assert 400 <= r.status_code < 500 and "error" in r.json(), (r.status_code, r.text[:200])
+        # Off values of refused fields change nothing and are accepted.
+        off = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "tool_choice": "auto", "min_p": 0,
+               "repetition_penalty": 1.0, "guided_json": None}  # fmt: skip
+        r = _post(c, C, off)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[:3], r.text[:200]
         # temperature 1e-40 used to overflow logits / T and kill the step loop: now it is greedy.
         for t in (1e-40, 5e-324, 1e-6):
             r = _post(c, C, {"model": "adaflash", "prompt": PROMPT, "max_tokens": 12, "temperature": t})

@@ -6,27 +6,33 @@ without loading torch's serving stack.
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from adaflash.errors import InputError
 
+# Integers are strict: JSON `true` is not the token id 1, nor a max_tokens of 1.
+TOP_K_MAX = 2**31 - 1  # any k past the vocabulary means "no filter"; past int64 torch fails
+
 
 class RequestBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+    # Unknown OpenAI fields are accepted and ignored, except those in UNSUPPORTED_FIELDS: they
+    # would change the output, so they are refused rather than silently dropped.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM/SGLang extension; 0 or -1: no filter
-    n: int | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM extension; 0/-1: off
+    n: StrictInt | None = None
     stream: bool = False
-    seed: int | None = None
+    seed: StrictInt | None = None
     user: str | None = None
     stop: str | list[str] | None = None
     method: str | None = None
@@ -34,10 +40,10 @@ class RequestBody(BaseModel):
 
 
 class CompletionBody(RequestBody):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[StrictInt] | list[str]
     # The legacy API: how many alternatives per token (0: the token's own logprob only); a
     # boolean, as chat clients send it, means 0 (true) or off (false).
-    logprobs: bool | int | None = None
+    logprobs: bool | StrictInt | None = None
 
 
 class ChatMessage(BaseModel):
@@ -49,12 +55,36 @@ class ChatMessage(BaseModel):
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
+    top_logprobs: StrictInt | None = None  # alternatives per token; needs logprobs: true
 
 
 class ReloadBody(BaseModel):
-    path: str
-    version: str | None = None
+    path: str = Field(max_length=4096)  # PATH_MAX: a longer one can only fail, inside the loader
+    version: str | None = Field(default=None, max_length=256)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def validation_message(errors: list[dict]) -> str:
+    """pydantic's errors as one line naming the fields: `invalid request: top_k: ...; n: ...`."""
+    msgs = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        msgs.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
+    return "invalid request: " + "; ".join(msgs)
+
+
+def parse_body(raw: bytes, kind: type[Body]) -> Body:
+    """A request body as `kind`, or an InputError saying what is wrong with it."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, nesting past Python's stack
+        raise InputError(f"invalid JSON body: {str(e)[:200]}") from None
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise InputError(validation_message(e.errors())) from None
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -71,6 +101,31 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
+    # Tool use and its forcing: "none"/"auto" with no tools change nothing.
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    # vLLM/SGLang sampling extensions the engine does not implement.
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "typical_p": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "truncate_prompt_tokens": (None,),
+    # Structured output (vLLM's guided_* and structured_outputs, SGLang's regex/json_schema).
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
 }
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 

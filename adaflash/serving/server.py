@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaflash.errors import CheckpointError, InputError
+from adaflash.serving.edge import EdgeLimits, uvicorn_config
 from adaflash.serving.engine import Engine, EngineFailed, GenParams, Request
 from adaflash.serving.metrics import ServingMetrics
 from adaflash.serving.protocol import (
@@ -50,6 +51,8 @@ from adaflash.serving.protocol import (
     chat_prompt_ids,
     check_text,
     error_response,
+    parse_body,
+    validation_message,
 )
 from adaflash.serving.reload import DrafterReloader
 from adaflash.serving.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN, TokenLogprob
@@ -62,9 +65,14 @@ class ServerSettings:
     admin_token: str | None = None  # None: the admin API answers 403
     default_max_tokens: int = 128
     max_n: int = 8  # choices per request (each takes a KV slot)
+    edge: EdgeLimits = field(default_factory=EdgeLimits)  # body size, header/body/idle timeouts
 
 
 log = logging.getLogger(__name__)
+
+# How often a non-streaming handler asks whether its client is still there: tokens may arrive
+# far more often than that, so the connection is polled, not the gap between tokens.
+DISCONNECT_POLL_S = 0.1
 
 
 class _Stream:
@@ -181,6 +189,33 @@ class TextDelta:
         return delta
 
 
+@dataclass
+class Prepared:
+    """A generation request as parsed and checked off the event loop, ready for the engine."""
+
+    body: RequestBody
+    params: GenParams
+    n: int
+    ids: list[int]
+    text: str
+
+
+async def finished_unless_gone(work, http: HttpRequest) -> bool:
+    """Await `work` while polling the client's connection: True when it completed, False (and
+    `work` cancelled) as soon as the client is gone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return True
+            if await http.is_disconnected():
+                return False
+    finally:
+        task.cancel()
+
+
 def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=None) -> FastAPI:
     """`feedback`: the `FeedbackProducer` whose delivery counts /metrics exports, if any."""
     settings = settings or ServerSettings()
@@ -190,6 +225,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     reloader = DrafterReloader(engine, metrics)
     app = FastAPI(title="AdaFlash serving", version="1")
     app.state.engine, app.state.metrics, app.state.reloader = engine, metrics, reloader
+    app.state.settings = settings
     tok = engine.target.tokenizer
 
     def gen_params(body: RequestBody) -> tuple[GenParams, int]:
@@ -396,18 +432,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
                 events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        finished: set[int] = set()
-        while len(finished) < n:
-            try:
-                i, _, fin, _ = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    for r in reqs:
-                        engine.cancel(r.request_id)
-                    return Response(status_code=499)
-                continue
-            if fin:
-                finished.add(i)
+        async def all_finished() -> None:
+            finished: set[int] = set()
+            while len(finished) < n:
+                i, _, fin, _ = await stream.queue.get()
+                if fin:
+                    finished.add(i)
+
+        if not await finished_unless_gone(all_finished(), http):
+            for r in reqs:  # the client hung up: nobody will read the rest, free the slots now
+                engine.cancel(r.request_id)
+            return Response(status_code=499)
         if any(r.cancelled for r in reqs):
             return Response(status_code=499)
         if (err := failed(reqs)) is not None:
@@ -458,26 +493,37 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
         ids = tok.encode(p)
         return ids, tok.decode(ids)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, http: HttpRequest):
-        try:
-            params, n = gen_params(body)
-            ids, text = completion_prompt(body.prompt)
-        except InputError as e:
-            return refused(e)
-        return await serve(body, params, n, http, ids, text, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, http: HttpRequest):
-        try:
-            params, n = gen_params(body)
-            ids = chat_prompt_ids(tok, body.messages)
-        except InputError as e:
-            return refused(e)
+    def chat_prompt(body: ChatBody) -> tuple[list[int], str]:
+        ids = chat_prompt_ids(tok, body.messages)
         # The feedback record's prompt_text must be decode(prompt ids) (schema invariant): the
         # templated conversation as the target saw it, not a re-rendering of the messages.
-        text = tok.decode(ids)
-        return await serve(body, params, n, http, ids, text, chat=True)
+        return ids, tok.decode(ids)
+
+    def prepare(raw: bytes, chat: bool) -> Prepared:
+        """Bytes to a request the engine can take: JSON, the schema, the fields' checks, the
+        prompt's token ids. CPU-bound (a body may hold millions of token ids or characters), so
+        it runs on a worker thread: the event loop, and /health with it, never waits for it."""
+        body = parse_body(raw, ChatBody if chat else CompletionBody)
+        params, n = gen_params(body)
+        ids, text = chat_prompt(body) if chat else completion_prompt(body.prompt)
+        return Prepared(body, params, n, ids, text)
+
+    async def generate(http: HttpRequest, chat: bool):
+        # The body was read (bounded in size and time) by the edge's BodyLimit middleware.
+        try:
+            p = await asyncio.to_thread(prepare, await http.body(), chat)
+        except InputError as e:
+            return refused(e)
+        return await serve(p.body, p.params, p.n, http, p.ids, p.text, chat=chat)
+
+    # The body is parsed by `prepare`, off the event loop, not by FastAPI.
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await generate(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await generate(http, chat=True)
 
     def model_card() -> dict:
         return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "adaflash"}
@@ -495,11 +541,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: HttpRequest, exc: RequestValidationError):
         metrics.rejected.labels("invalid").inc()
-        msgs = []
-        for e in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            msgs.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
-        return error_response(400, "invalid request: " + "; ".join(msgs))
+        return error_response(400, validation_message(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def httperror_response(_: HttpRequest, exc: StarletteHTTPException):
@@ -550,9 +592,20 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             version = await asyncio.wrap_future(reloader.reload(body.path, body.version))
         except CheckpointError as e:
             return error_response(422, f"reload rejected, still serving {previous}: {e}", "checkpoint_error")
+        except OSError as e:  # a path the filesystem refuses (too long, a loop, no permission)
+            why = f"cannot read the checkpoint: {e.strerror or type(e).__name__}"
+            return error_response(
+                422, f"reload rejected, still serving {previous}: {why}", "checkpoint_error"
+            )
         return {"status": "staged", "version": version, "previous": previous}
 
     return app
+
+
+def edge_limits(app: FastAPI) -> EdgeLimits:
+    """The limits `create_app`'s settings name (the defaults for another app, e.g. the gateway)."""
+    settings = getattr(app.state, "settings", None)
+    return settings.edge if isinstance(settings, ServerSettings) else EdgeLimits()
 
 
 class ServerThread:
@@ -561,7 +614,7 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, edge_limits(app)))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url = f"http://{host}:{port}"
 
