@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,11 +52,32 @@ def exit_when_engine_dies(engine, log: Log) -> None:
     threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
 
 
-def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptions, log: Log) -> None:
-    """Run the OpenAI-compatible server on `target` (+ `bundle`, loaded from `drafter_dir`) until
-    interrupted."""
+def _stop_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)  # a clean exit: whoever sent SIGTERM stopped us on purpose
+
+
+def run_until_stopped(app, host: str, port: int, limits=None) -> None:
+    """Serve `app` in the foreground until SIGINT or SIGTERM.
+
+    uvicorn handles both by shutting down gracefully and then raising the signal again. SIGINT's
+    default action raises KeyboardInterrupt, so the caller's `finally` (the feedback flush) runs;
+    SIGTERM's ends the process on the spot, and the last finished requests' feedback records were
+    lost (systemd, Kubernetes and `adaflash down` all send SIGTERM). So SIGTERM raises SystemExit
+    here: the caller's cleanup runs exactly as for SIGINT, then the process exits 0."""
     import uvicorn
 
+    from adaflash.serving.edge import EdgeLimits, uvicorn_config
+
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        uvicorn.Server(uvicorn_config(app, host, port, limits or EdgeLimits())).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptions, log: Log) -> None:
+    """Run the OpenAI-compatible server on `target` (+ `bundle`, loaded from `drafter_dir`) until
+    SIGINT or SIGTERM; either way every finished request's feedback record is flushed first."""
     from adaflash.serving.engine import Engine
     from adaflash.serving.reload import drafter_version
     from adaflash.serving.server import ServerSettings, create_app
@@ -95,7 +117,7 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
         + ("" if opts.admin_token else " — admin API disabled (set ADAFLASH_ADMIN_TOKEN)")
     )
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning")
+        run_until_stopped(app, opts.host, opts.port, app.state.settings.edge)
     finally:
         if follower is not None:
             follower.stop()
@@ -118,8 +140,6 @@ def read_api_keys(path: Path) -> dict[str, str]:
 def gateway(settings, target: str, bootstrap_servers: str, spool_dir: Path, host: str, port: int,
             log: Log) -> None:  # fmt: skip
     """Proxy `settings.upstream` on host:port, one feedback record per finished request."""
-    import uvicorn
-
     from adaflash.feedback.producer import FeedbackProducer, ProducerConfig
     from adaflash.models.targets import load_vocabulary
     from adaflash.serving.gateway import create_gateway
@@ -128,7 +148,7 @@ def gateway(settings, target: str, bootstrap_servers: str, spool_dir: Path, host
     app = create_gateway(settings, load_vocabulary(target), producer.send)
     log(f"gateway for {settings.upstream} on http://{host}:{port} ({len(settings.api_keys)} API keys)")
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        run_until_stopped(app, host, port)
     finally:
         producer.close()
 
