@@ -260,7 +260,9 @@ def registry_sync(reg) -> None:
 @registry_command(events=None)
 def registry_history(reg, as_json: JsonOpt = False) -> None:
     """Every registry action, oldest first: who, when, why, and whether its event was published."""
-    actions = reg.history()
+    from adaflash.registry.reader import OUT_OF_BAND
+
+    actions = reg.history()  # ends with an out_of_band line when the champion alias moved unrecorded
     if as_json:
         console.print_json(json.dumps([asdict(a) | {"at": a.at.isoformat()} for a in actions]))
         return
@@ -270,7 +272,7 @@ def registry_history(reg, as_json: JsonOpt = False) -> None:
     for a in actions:
         t.add_row(
             a.at.strftime("%Y-%m-%d %H:%M:%S"),
-            a.action,
+            f"[bold red]{a.action}[/]" if a.action == OUT_OF_BAND else a.action,
             a.version,
             a.replaced_version or "",
             a.who,

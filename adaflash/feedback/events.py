@@ -1,10 +1,11 @@
 """Drafter lifecycle events on `adaflash.drafter.events` (DESIGN §2): registry -> serving fleet.
 
-The registry publishes one event per action. A consumer needs nothing else to react: when an
-event's `alias` is `champion`, load `version` — from `artifact_uri` through the MLflow server at
-`tracking_uri` (e.g. `RegistryClient.download(version)` or `mlflow.artifacts.download_artifacts`).
-That holds for `promoted` (the new champion) and for `rolled_back` (the restored champion;
-`replaced_version` is the one demoted). `registered` and `approved` events are informational for
+The registry publishes one event per action. For a server an event is only a hint: when its
+`alias` is `champion` (`promoted`: the new champion; `rolled_back`: the restored one,
+`replaced_version` the one demoted), re-read the champion from *its own configured* registry and
+serve it only when a promotion record authorises it (`RegistryReader.audit_champion`). Anyone who
+can write to the topic can forge an event, so `tracking_uri` and `artifact_uri` say where the
+action happened, for people and logs: a server never dials them. `registered` and `approved` events are informational for
 the fleet. Versions are strings whatever the MLflow store returned (SQLite gives ints, REST
 strings). Keyed by the registered model name; the topic has one partition, so events are ordered.
 """
@@ -41,8 +42,8 @@ class DrafterEvent(BaseModel):
     who: str
     reason: str
     timestamp: datetime = Field(default_factory=lambda: datetime.now(UTC))
-    artifact_uri: str  # the drafter directory (DFlash format) in MLflow's artifact store
-    tracking_uri: str  # the MLflow server that resolves `artifact_uri`
+    artifact_uri: str  # the drafter directory in MLflow's artifact store (informational)
+    tracking_uri: str  # the MLflow server of the action (informational: servers never dial it)
 
     @field_validator("version", "replaced_version", mode="before")
     @classmethod

@@ -45,6 +45,7 @@ from adaflash.registry.versions import (
     CHALLENGER,
     CHAMPION,
     DRAFTER_ARTIFACT,
+    GATE_PROMOTE,
     OVERRIDE_REASON,
     PENDING,
     PREVIOUS_CHAMPION,
@@ -58,10 +59,12 @@ from adaflash.registry.versions import (
     T_GATE,
     T_GATE_OVERRIDE,
     T_GATE_REASON,
+    T_PROMOTION,
     T_REPLACED,
     T_STATUS,
     ActionRecord,
     Lineage,
+    PromotionRecord,
     VersionInfo,
     as_version,
     clip_tag,
@@ -259,32 +262,79 @@ class RegistryClient(RegistryReader):
 
         A version the shadow gate rejected is promoted only with `override_gate` and a reason: the
         override is a person's decision against the evidence, so it is tagged on the version
-        (`adaflash.gate_override`) and its reason says so in the history and the event."""
+        (`adaflash.gate_override`) and its reason says so in the history and the event.
+
+        Before the alias moves, the version gets its promotion record (`adaflash.promotion`: mode,
+        evidence, who, why, the move's sequence number): servers follow no champion without one.
+        Promoting the recorded champion again after an out-of-band alias move restores it (the
+        chain rollback walks is kept)."""
         who = who or default_who()
         version = self.resolve(ref)
         with self._mlflow("promote"):
             mv = self._model_version(version)
             if mv.status != "READY":
                 raise RegistryError(f"{self.model_name} v{version} is {mv.status}, not READY")
-            if self._gate_rejected(version, reason, override_gate):
+            overridden = self._gate_rejected(version, reason, override_gate)
+            if overridden:
                 reason = OVERRIDE_REASON + reason
                 self._set_tags(version, {T_GATE_OVERRIDE: "true"})
             aliases = self._aliases()
-            old = aliases.get(CHAMPION)
-            if old == version:
+            audit = self.audit_champion()
+            current, rec = aliases.get(CHAMPION), audit.recorded
+            if current == version and audit.problem is None:
                 raise RegistryError(f"{self.model_name} v{version} is already the champion")
+            # The champion being replaced is the *recorded* one: an alias moved outside this client
+            # must not become previous_champion (rollback would then restore it) ...
+            old = rec.version if rec is not None else current
+            if rec is not None and rec.version == version and current == rec.replaced:
+                old = current  # ... unless this very promotion was cut off before its alias moved
+            restoring = old == version  # undoing an out-of-band move, or recording a legacy champion
+            mode, evidence = self._promotion_mode(version, overridden)
+            self._write_promotion(
+                version, mode, who, reason, evidence, replaced=current if restoring else old
+            )
             # Order matters without transactions: previous_champion is set before champion moves,
             # so a crash in between leaves the old champion serving and still restorable.
-            if old is not None:
+            if old is not None and not restoring:
                 self._set_alias(PREVIOUS_CHAMPION, old)
                 self._set_tags(old, {T_STATUS: PREVIOUS_CHAMPION})
-            elif aliases.get(PREVIOUS_CHAMPION) == version:  # re-promoting the one rollback would restore
+            elif old is None and aliases.get(PREVIOUS_CHAMPION) == version:  # the one rollback would restore
                 self._set_alias(PREVIOUS_CHAMPION, None)
             self._set_alias(CHAMPION, version)
             if aliases.get(CHALLENGER) == version:
                 self._set_alias(CHALLENGER, None)
-            self._set_tags(version, {T_STATUS: CHAMPION, T_REPLACED: old or ""})
-            return self._record("promoted", version, who, reason, alias=CHAMPION, replaced=old)
+            # A restore keeps the version's replaced tag: it is the chain rollback walks.
+            self._set_tags(version, {T_STATUS: CHAMPION, **({} if restoring else {T_REPLACED: old or ""})})
+            replaced = current if restoring else old
+            return self._record("promoted", version, who, reason, alias=CHAMPION, replaced=replaced)
+
+    def _promotion_mode(self, version: str, overridden: bool) -> tuple[str, str]:
+        """(mode, evidence) of a promotion record: what authorises this move of the champion."""
+        tags = self._model_version(version).tags
+        gate = tags.get(T_GATE_REASON) or "no reason recorded"
+        if overridden:
+            return "override", f"the shadow gate rejected it ({gate}); a person overrode it"
+        if tags.get(T_APPROVAL, "").lower() == APPROVED:
+            ran = f"shadow gate: {gate}" if tags.get(T_GATE) else "no shadow gate ran"
+            return "approval", f"approved by a person; {ran}"
+        if tags.get(T_GATE) == GATE_PROMOTE:
+            return "gate", f"shadow gate said promote: {gate}"
+        return "manual", "no shadow gate judged this version: a person's recorded promotion"
+
+    def _write_promotion(
+        self, version: str, mode: str, who: str, reason: str, evidence: str, *, replaced: str | None
+    ) -> PromotionRecord:
+        """Tag `version` with the record that authorises moving champion to it. Written *before*
+        the alias moves: a follower checks a version only when the alias reaches it, and a crash
+        in between leaves the old, still recorded champion serving."""
+        last = self.audit_champion().recorded
+        record = PromotionRecord(
+            seq=(last.seq + 1) if last is not None else 1, version=version, replaced=replaced, mode=mode,
+            actor=who, reason=reason.strip() or f"{mode}: no reason given", evidence=evidence,
+            at=now_utc().isoformat(),
+        )  # fmt: skip
+        self._set_tags(version, {T_PROMOTION: record.to_tag()})
+        return record
 
     def _gate_rejected(self, version: str, reason: str, override_gate: bool) -> bool:
         """True when the shadow gate rejected `version` and this is a valid override; raises when
@@ -381,17 +431,23 @@ class RegistryClient(RegistryReader):
         return done
 
     def rollback(self, who: str | None = None, reason: str = "") -> DrafterEvent:
-        """Restore previous_champion as champion; the demoted champion is marked rolled_back."""
+        """Restore previous_champion as champion (a recorded move: its promotion record's mode is
+        `rollback`); the demoted champion is marked rolled_back."""
         who = who or default_who()
         with self._mlflow("rollback"):
             aliases = self._aliases()
-            current, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS_CHAMPION)
+            # The champion being rolled back is the recorded one (an out-of-band alias move is no
+            # champion to walk back from).
+            current = self.audit_champion().recorded_version or aliases.get(CHAMPION)
+            previous = aliases.get(PREVIOUS_CHAMPION)
             if current is None:
                 raise NothingToRollBackError(f"{self.model_name} has no champion to roll back")
             if previous is None or previous == current:
                 raise NothingToRollBackError(
                     f"{self.model_name} v{current} is champion; no earlier champion is left to restore"
                 )
+            evidence = f"restores the previous champion v{previous}"
+            self._write_promotion(previous, "rollback", who, reason, evidence, replaced=current)
             self._set_alias(CHAMPION, previous)
             # Walk one step further down the chain of champions, so rollback can be repeated.
             earlier = self._model_version(previous).tags.get(T_REPLACED) or None

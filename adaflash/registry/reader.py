@@ -20,14 +20,54 @@ from adaflash.registry.versions import (
     T_APPROVAL,
     T_CODE,
     T_FINGERPRINT,
+    T_GATE,
+    T_PROMOTION,
     T_REPLACED,
     T_STATUS,
     T_TARGET,
     ActionRecord,
+    ChampionAudit,
+    PromotionRecord,
     VersionInfo,
     as_version,
     model_name_for,
+    now_utc,
 )
+
+OUT_OF_BAND = "out_of_band"  # history: the champion alias moved without a promotion record
+
+
+def audit_champion(alias: str | None, tags: dict[str, dict[str, str]]) -> ChampionAudit:
+    """Check the champion alias (`alias`) against the promotion records in `tags` (version -> its
+    tags): the alias's version is authorised only when it carries the newest record and that
+    record is valid for it. A record is counted only on the version it names, so a copied tag
+    authorises nothing."""
+    records = [
+        r for v, t in tags.items()
+        if (r := PromotionRecord.from_tag(t.get(T_PROMOTION))) is not None and r.version == v
+    ]  # fmt: skip
+    newest = max(records, key=lambda r: r.seq, default=None)
+    if alias is None:
+        return ChampionAudit(None, newest, None)
+    moved = f"the champion alias points to v{alias}"
+    outside = "it was moved outside the registry client"
+    if newest is None:
+        problem = f"{moved}, but no version carries a promotion record: {outside}"
+    elif newest.version != alias and alias == newest.replaced:
+        problem = (
+            f"{moved}, but the last recorded promotion (#{newest.seq}) moved it from there to "
+            f"v{newest.version}: that promotion was cut off before its alias moved (`registry promote "
+            f"{newest.version}` completes it), or the alias was moved back outside the registry client"
+        )
+    elif newest.version != alias:
+        problem = (
+            f"{moved}, but the last recorded promotion (#{newest.seq}, {newest.mode} by {newest.actor} "
+            f"at {newest.at[:19]}) moved it to v{newest.version}: {outside}"
+        )
+    else:
+        why = newest.problem(alias, tags.get(alias, {}).get(T_GATE))
+        problem = f"{moved}, but {why}" if why else None
+    return ChampionAudit(alias, newest, problem)
 
 
 class RegistryReader:
@@ -244,7 +284,21 @@ class RegistryReader:
                 return json.loads(Path(path).read_text())
 
     def champion(self) -> str | None:
+        """Where the champion alias points (see `audit_champion` for whether a recorded move put it there)."""
         return self._aliases().get(CHAMPION)
+
+    def audit_champion(self) -> ChampionAudit:
+        """The champion alias checked against the promotion records the registry client writes:
+        `.authorised` is the version a server may follow, `.problem` says why not."""
+        with self._mlflow("check the champion"):
+            alias = self._aliases().get(CHAMPION)
+            mvs = self._client.search_model_versions(f"name = '{self.model_name}'")
+        return audit_champion(alias, {as_version(mv.version): dict(mv.tags or {}) for mv in mvs})
+
+    def promotion_record(self, ref: str | int) -> PromotionRecord | None:
+        """The promotion record on a version (None when the client never promoted it)."""
+        version = self.resolve(ref)
+        return PromotionRecord.from_tag(self._model_version(version).tags.get(T_PROMOTION))
 
     def pending_approvals(self) -> list[VersionInfo]:
         return [v for v in self.versions() if (v.approval or "").lower() == PENDING]
@@ -281,4 +335,28 @@ class RegistryReader:
                     run_id=r.info.run_id,
                 )
             )
-        return sorted(out, key=lambda a: a.at)
+        out.sort(key=lambda a: a.at)
+        unrecorded = self._out_of_band()
+        return out + ([unrecorded] if unrecorded is not None else [])
+
+    def _out_of_band(self) -> ActionRecord | None:
+        """The champion alias's current move when no promotion record authorises it: the history is
+        written by the client, so a raw MLflow call leaves no run there, and only comparing the
+        alias with the last recorded promotion shows it."""
+        audit = self.audit_champion()
+        if audit.problem is None:
+            return None
+        with self._mlflow("read the registered model"):
+            ms = getattr(self._client.get_registered_model(self.model_name), "last_updated_timestamp", None)
+        return ActionRecord(
+            at=datetime.fromtimestamp(ms / 1000, UTC) if ms else now_utc(),
+            action=OUT_OF_BAND,
+            version=audit.alias_version or "",
+            who="unknown (not the registry client)",
+            reason=audit.problem,
+            alias=CHAMPION,
+            replaced_version=audit.recorded_version,
+            event_id="",
+            event_published=False,
+            run_id="",
+        )

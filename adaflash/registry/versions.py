@@ -5,9 +5,10 @@ lineage (`Lineage`) and an action in the history (`ActionRecord`)."""
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ T_ACTION = "adaflash.action"  # history runs
 T_GATE = "adaflash.gate"  # promote | reject: the shadow gate's decision on this version
 T_GATE_REASON = "adaflash.gate_reason"
 T_GATE_OVERRIDE = "adaflash.gate_override"  # "true" once a person promoted it over a reject
+T_PROMOTION = "adaflash.promotion"  # JSON `PromotionRecord`: the recorded move of champion to this version
 REJECT = "reject"
+GATE_PROMOTE = "promote"
 OVERRIDE_REASON = "manual override of the shadow gate's reject: "  # prefixes the promotion's reason
 APPROVED = "approved"
 PENDING = "pending"
@@ -155,3 +158,77 @@ class ActionRecord:
     event_id: str
     event_published: bool
     run_id: str
+
+
+# How a promotion record authorises its move of `champion`: the shadow gate's evidence (`gate`), a
+# person's approval of a pending challenger (`approval`), a person's override of the gate's reject
+# (`override`), a person's promotion of a version no gate judged (`manual`, e.g. the first
+# champion), or `rollback` to the previous champion.
+PROMOTION_MODES = ("gate", "approval", "override", "manual", "rollback")
+
+
+@dataclass(frozen=True)
+class PromotionRecord:
+    """What the registry client writes on a version (tag `adaflash.promotion`) before it moves
+    `champion` to it: which move it authorises (`seq`, the registry's count of recorded champion
+    moves; `replaced`, the champion it moved from), how (`mode`, `evidence`), who and why.
+
+    Servers follow a champion only when its version carries the newest record: a raw MLflow call
+    moves the alias but writes no record, and replaying the alias onto an older champion finds a
+    record that a later one superseded."""
+
+    seq: int
+    version: str
+    replaced: str | None
+    mode: str
+    actor: str
+    reason: str
+    evidence: str
+    at: str
+    alias: str = CHAMPION
+
+    def to_tag(self) -> str:
+        # Reason and evidence are clipped so the whole JSON stays under MLflow's tag limit.
+        short = {**asdict(self), "reason": self.reason[:1500], "evidence": self.evidence[:1500]}
+        return json.dumps(short, sort_keys=True, ensure_ascii=False)
+
+    @classmethod
+    def from_tag(cls, raw: str | None) -> PromotionRecord | None:
+        """The record in a tag value; None when there is none or it is not one of ours."""
+        if not raw:
+            return None
+        try:
+            d = json.loads(raw)
+            rec = cls(**d)
+        except (json.JSONDecodeError, TypeError):
+            return None
+        return rec if isinstance(rec.seq, int) and isinstance(rec.version, str) else None
+
+    def problem(self, version: str, gate: str | None) -> str | None:
+        """Why this record does not authorise `version` (whose shadow gate said `gate`) as champion."""
+        if self.version != version or self.alias != CHAMPION:
+            return f"its promotion record is for {self.alias} v{self.version}"
+        if self.mode not in PROMOTION_MODES or not self.actor.strip() or not self.reason.strip():
+            return "its promotion record has no valid mode, actor or reason"
+        if gate == REJECT and self.mode not in ("override", "rollback"):
+            return "the shadow gate rejected it and its promotion record is no override"
+        return None
+
+
+@dataclass(frozen=True)
+class ChampionAudit:
+    """The champion alias checked against the promotion records (`RegistryReader.audit_champion`)."""
+
+    alias_version: str | None  # where the champion alias points now
+    recorded: PromotionRecord | None  # the newest promotion record of any version
+    problem: str | None  # why the alias's version is not an authorised champion; None when it is
+
+    @property
+    def authorised(self) -> str | None:
+        """The version to serve: the alias's, when a recorded move put it there."""
+        return self.alias_version if self.problem is None else None
+
+    @property
+    def recorded_version(self) -> str | None:
+        """The champion by the records: the last version the registry client moved it to."""
+        return self.recorded.version if self.recorded is not None else None

@@ -1,7 +1,8 @@
 """Fleet controller: make the registry's champion live on every backend of the serving fleet.
 
-It follows `adaflash.drafter.events` (promotions, approvals, rollbacks: any event that moves the
-`champion` alias) and, per backend in its config:
+It follows the registry's champion through a `ChampionFollower` (events are hints to re-read its
+own configured registry; only a champion with a promotion record is made live) and, per backend
+in its config:
 
   adaflash-engine     download the version into the shared drafter directory and call the
                       engine's `POST /admin/drafter/reload` (validated off the step loop, swapped
@@ -106,7 +107,9 @@ class FleetController:
         from adaflash.registry.client import RegistryClient
 
         dst = Path(self.cfg.drafter_dir) / f"v{event.version}"
-        with RegistryClient(event.tracking_uri or self.cfg.tracking_uri, self.fingerprint) as reg:
+        # The configured registry only: an event's tracking_uri is never dialled (a forged event
+        # could name any server).
+        with RegistryClient(self.cfg.tracking_uri, self.fingerprint) as reg:
             path = reg.download(event.version, dst)
         token = os.environ.get(b.token_env, "")
         _request(
