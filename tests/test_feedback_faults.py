@@ -5,6 +5,7 @@ after dedupe by record id, exactly once — and the producer's counts are in /me
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -154,3 +155,77 @@ def test_feedback_counts_and_spool_depth_are_in_metrics(tmp_path, tiny64):
     finally:
         srv.stop()
         producer.close()
+
+
+def _full_disk(producer: FeedbackProducer, failures: int | None):
+    """Fault injection: the next `failures` spool writes (every one: None) fail with ENOSPC."""
+    write, left = producer._write_segment, [failures]
+
+    def write_segment(path, lines):
+        if left[0] is None or left[0] > 0:
+            if left[0] is not None:
+                left[0] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write(path, lines)
+
+    return write_segment
+
+
+def test_a_full_disk_does_not_end_feedback_and_health_says_degraded(tmp_path, tiny64, monkeypatch):
+    """ENOSPC on the spool while the broker is down: the producer holds the records in memory,
+    backs off, says so in /health (200, degraded) and /metrics, and writes them when space
+    returns; once the broker is back, every record accepted arrives. It used to kill the producer
+    thread: 0 records delivered, /health 200 ok, nothing counted as dropped."""
+    port = free_port()
+    producer = FeedbackProducer(ProducerConfig(f"127.0.0.1:{port}", tmp_path / "spool", retry_seconds=0.3))
+    monkeypatch.setattr(producer, "_write_segment", _full_disk(producer, failures=3))
+    engine = Engine(tiny64, None, EngineConfig(method="ar"))
+    srv = ServerThread(create_app(engine, ServerSettings(), feedback=producer), port=free_port()).start()
+    records = [_record(500 + i) for i in range(30)]
+    try:
+        for r in records[:10]:
+            producer.send(r)  # broker down and the disk full: held in memory
+        _wait(
+            lambda: httpx.get(srv.url + "/health").json()["status"] == "degraded", 10, "/health not degraded"
+        )
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 200 and "No space left" in health.json()["feedback"]["degraded"]
+        m = httpx.get(srv.url + "/metrics").text
+        assert "adaflash_feedback_degraded 1.0" in m and "adaflash_feedback_spool_write_errors_total 1.0" in m
+        for r in records[10:20]:
+            producer.send(r)
+        # Space returns after three failed writes: everything held reaches the spool.
+        _wait(lambda: producer.stats["spool_records"] == 20, 30, "held records were not spooled")
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        assert producer.stats["spool_write_errors"] == 3 and producer.stats["held"] == 0
+        with running_broker(tmp_path / "broker", port=port) as broker:
+            for r in records[20:]:
+                producer.send(r)
+            _wait(lambda: producer.stats["spool_records"] == 0, 60, "the spool was not replayed")
+            assert producer.flush(30)
+            producer.close()
+            ids = [parse_record(m.value).record_id for m in read_topic(broker.bootstrap_servers, topics.RAW)]
+    finally:
+        srv.stop()
+        producer.close()
+    assert sorted(set(ids)) == sorted(r.record_id for r in records)
+    st = producer.stats
+    assert st["dropped"] == 0 and st["sent"] + st["replayed"] == len(records)
+
+
+def test_records_the_disk_never_takes_are_counted_as_dropped(tmp_path, monkeypatch):
+    """A disk that stays full and no broker: the in-memory hold is bounded; whatever it cannot
+    keep (and whatever is still held at close) is counted as dropped, never silently lost."""
+    cfg = ProducerConfig(
+        f"127.0.0.1:{free_port()}", tmp_path / "spool", retry_seconds=0.1, max_held_records=5
+    )
+    producer = FeedbackProducer(cfg)
+    monkeypatch.setattr(producer, "_write_segment", _full_disk(producer, failures=None))
+    for i in range(12):
+        producer.send(_record(600 + i))
+    assert producer.flush(30)
+    st = producer.stats
+    assert st["held"] == 5 and st["dropped"] == 7 and st["degraded"]
+    producer.close()
+    st = producer.stats
+    assert st["held"] == 0 and st["dropped"] == 12 and st["sent"] == st["spooled"] == 0

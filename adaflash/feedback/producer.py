@@ -8,6 +8,13 @@ at-least-once (a record whose acknowledgement was lost is sent again); consumers
 (0600) and deleted as soon as they are replayed; when it is full, new records are refused and
 counted in `stats["spool_dropped"]` rather than growing without bound.
 
+A spool that cannot be written (a full disk: ENOSPC, or any other OSError) is a fault the
+producer survives, not one that ends its thread. The records are held in memory (at most
+`max_held_records`; beyond that the oldest are dropped and counted), the write is retried with
+exponential backoff, and `degraded` says why until a write succeeds or the broker takes the held
+records. Every record `send` accepted is therefore acknowledged, on disk, held, or counted in
+`stats["dropped"]` — including those still held when the producer is closed.
+
 An acknowledgement alone does not count as delivered. A broker shutting down gracefully
 (SIGTERM) keeps serving the connections it has and acknowledges their sends, while it refuses new
 ones — and the embedded broker's memory-only topics die with it. So after each acknowledged batch
@@ -26,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +54,8 @@ class ProducerConfig:
     max_spool_bytes: int = 256 * 1024 * 1024
     retry_seconds: float = 1.0  # between reconnection attempts while the broker is down
     batch_size: int = 256
+    max_held_records: int = 10_000  # held in memory while the spool cannot be written
+    max_disk_backoff_seconds: float = 30.0  # between spool write attempts while they fail
 
 
 @dataclass
@@ -58,6 +68,8 @@ class _Stats:
     unconfirmed: int = 0  # acknowledged by a broker that then stopped answering: spooled again
     spool_records: int = 0
     connected: bool = False
+    spool_write_errors: int = 0  # spool writes that failed (ENOSPC, EIO, ...)
+    disk_dropped: int = 0  # records neither the broker nor the disk took, beyond the memory hold
     extra: dict = field(default_factory=dict)
 
 
@@ -114,6 +126,11 @@ class FeedbackProducer:
         self._producer = None
         self._next_connect = 0.0
         self._seq = 0
+        # Records that neither the broker nor the spool took, oldest first (see the module doc).
+        self._held: deque = deque()
+        self._degraded: str | None = None
+        self._disk_backoff = 0.0
+        self._next_disk_try = 0.0
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="feedback-producer", daemon=True)
         self._thread.start()
@@ -140,13 +157,36 @@ class FeedbackProducer:
             "spool_records": s.spool_records,
             "spool_bytes": self.spool_bytes(),
             "queued": self._queue.qsize(),
+            "spool_write_errors": s.spool_write_errors,
+            "held": len(self._held),
+            "dropped": s.spool_dropped + s.disk_dropped,
+            "degraded": self.degraded,
         }
 
+    def health(self) -> dict:
+        """What /health shows: cheap (no filesystem), read from another thread."""
+        s = self._stats
+        dropped = s.spool_dropped + s.disk_dropped
+        return {"degraded": self._degraded, "held": len(self._held), "dropped": dropped,
+                "spool_write_errors": s.spool_write_errors}  # fmt: skip
+
+    @property
+    def degraded(self) -> str | None:
+        """Why records are waiting in memory (the spool cannot be written), or None."""
+        return self._degraded
+
     def spool_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._segments())
+        total = 0
+        for p in self._segments():
+            try:
+                total += p.stat().st_size
+            except OSError:  # replayed and deleted meanwhile
+                pass
+        return total
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued record is either acknowledged by the broker or spooled."""
+        """Wait until every queued record is acknowledged by the broker, spooled, or held in
+        memory because the spool cannot be written (`degraded`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._queue.empty() and self._idle.wait(0.05) and self._queue.empty():
@@ -154,8 +194,14 @@ class FeedbackProducer:
         return False
 
     def close(self, timeout: float = 30.0) -> None:
+        """Deliver or spool what is queued, then stop; a record still held in memory (neither the
+        broker nor the disk took it) is counted as dropped."""
         self._queue.put(_STOP)
         self._thread.join(timeout)
+        if self._held and not self._thread.is_alive():
+            log.error("feedback: %d records neither delivered nor spooled at close: dropped", len(self._held))
+            self._stats.disk_dropped += len(self._held)
+            self._held.clear()
         if self._producer is not None:
             self._producer.close(timeout=5)
             self._producer = None
@@ -164,20 +210,47 @@ class FeedbackProducer:
     def _run(self) -> None:
         while True:
             batch, stop = self._take_batch()
-            if batch:
-                if self._ensure_producer() and self._replay_spool():
-                    failed = self._produce(batch)
-                    self._stats.sent += len(batch) - len(failed)
-                    if failed:
-                        self._spool(failed)
-                else:
-                    self._spool(batch)
-            elif self._segments() and self._ensure_producer():
-                self._replay_spool()
+            try:
+                self._deliver(batch)
+            except Exception:  # noqa: BLE001 - the thread must outlive any fault; keep the records
+                log.exception("feedback producer: unexpected error; holding %d records", len(batch))
+                self._hold(batch)
             if stop:
                 return
             if self._queue.empty():
                 self._idle.set()
+
+    def _deliver(self, batch: list) -> None:
+        """Broker first (after the spool's older records), else the spool; records held in
+        memory go out before `batch`, oldest first."""
+        if (batch or self._held) and self._ensure_producer() and self._replay_spool():
+            items = self._take_held() + batch
+            failed = self._produce(items)
+            self._stats.sent += len(items) - len(failed)
+            if failed:
+                self._spool(failed)
+            elif self._degraded and not self._held:
+                log.warning("feedback: the broker took every held record (the spool was unwritable)")
+                self._degraded = None
+        elif batch or (self._held and time.monotonic() >= self._next_disk_try):
+            self._spool(batch)
+        elif self._segments() and self._ensure_producer():
+            self._replay_spool()
+
+    def _take_held(self) -> list:
+        items = list(self._held)
+        self._held.clear()
+        return items
+
+    def _hold(self, items: list) -> None:
+        self._held.extend(items)
+        over = len(self._held) - self.config.max_held_records
+        if over > 0:  # bounded: the oldest go, counted
+            for _ in range(over):
+                self._held.popleft()
+            self._stats.disk_dropped += over
+            log.error("feedback: spool unwritable and %d records held: dropped the %d oldest",
+                      self.config.max_held_records, over)  # fmt: skip
 
     def _take_batch(self) -> tuple[list, bool]:
         batch: list = []
@@ -277,50 +350,85 @@ class FeedbackProducer:
         return sorted(self.config.spool_dir.glob("spool-*.jsonl"))
 
     def _spool(self, items: list) -> None:
-        lines = [
-            json.dumps({"k": k.decode() if k is not None else None, "v": v.decode()}) + "\n" for k, v in items
-        ]
-        room = self.config.max_spool_bytes - self.spool_bytes()
-        keep = []
-        for line in lines:
-            if len(line) > room:
-                self._stats.spool_dropped += 1
-                continue
-            room -= len(line)
-            keep.append(line)
-        if len(keep) < len(lines):
-            refused = len(lines) - len(keep)
-            log.error(
-                "feedback spool full (limit %d bytes): refused %d records",
-                self.config.max_spool_bytes,
-                refused,
-            )
+        """Write `items` (after any held ones) as one segment; while writes fail, hold them."""
+        items = self._take_held() + items
+        if time.monotonic() < self._next_disk_try:  # backing off: do not hammer a full disk
+            self._hold(items)
+            return
+        keep, lines = self._fit(items)
         if not keep:
             return
         self._seq += 1
         path = self.config.spool_dir / f"spool-{time.time_ns():020d}-{self._seq:06d}.jsonl"
+        try:
+            self._write_segment(path, lines)
+        except OSError as exc:
+            self._disk_failed(exc, keep, path)
+            return
+        if self._degraded:
+            log.warning("feedback spool writable again: %d records written", len(keep))
+        self._degraded, self._disk_backoff, self._next_disk_try = None, 0.0, 0.0
+        self._stats.spooled += len(keep)
+        self._stats.spool_records += len(keep)
+
+    def _fit(self, items: list) -> tuple[list, list[str]]:
+        """The items (and their lines) that fit in the spool's size limit; the rest are counted."""
+        room = self.config.max_spool_bytes - self.spool_bytes()
+        keep, lines = [], []
+        for k, v in items:
+            line = json.dumps({"k": k.decode() if k is not None else None, "v": v.decode()}) + "\n"
+            if len(line) > room:
+                self._stats.spool_dropped += 1
+                continue
+            room -= len(line)
+            keep.append((k, v))
+            lines.append(line)
+        if len(keep) < len(items):
+            log.error("feedback spool full (limit %d bytes): refused %d records", self.config.max_spool_bytes,
+                      len(items) - len(keep))  # fmt: skip
+        return keep, lines
+
+    def _disk_failed(self, exc: OSError, items: list, path: Path) -> None:
+        self._stats.spool_write_errors += 1
+        for leftover in (path, path.with_suffix(".tmp")):  # a partial segment must not be replayed
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
+        cfg = self.config
+        self._disk_backoff = min(max(2 * self._disk_backoff, cfg.retry_seconds), cfg.max_disk_backoff_seconds)
+        self._next_disk_try = time.monotonic() + self._disk_backoff
+        if self._degraded is None:
+            log.error("feedback spool unwritable (%s): holding records in memory, retrying", exc)
+        self._degraded = f"spool write failed: {exc.strerror or exc}"
+        self._hold(items)
+
+    def _write_segment(self, path: Path, lines: list[str]) -> None:
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.writelines(keep)
+            f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
         tmp.rename(path)  # a segment is visible only when complete
-        self._stats.spooled += len(keep)
-        self._stats.spool_records += len(keep)
 
     def _replay_spool(self) -> bool:
         """Send spooled segments oldest first; True when the spool is empty afterwards."""
         for path in self._segments():
             items = []
-            for line in path.read_text().splitlines():
+            try:
+                text = path.read_text()
+            except OSError as exc:  # unreadable now (EIO, a vanished file): try again later
+                log.warning("feedback spool segment %s unreadable: %s", path.name, exc)
+                return False
+            for line in text.splitlines():
                 if line.strip():
                     d = json.loads(line)
                     items.append((d["k"].encode() if d["k"] is not None else None, d["v"].encode()))
             failed = self._produce(items)
             if failed:
                 return False
-            path.unlink()
+            path.unlink(missing_ok=True)
             self._stats.replayed += len(items)
             self._stats.spool_records -= len(items)
         return True

@@ -164,7 +164,7 @@ class ServingMetrics:
 class _FeedbackCollector:
     """Reads the producer's counters at scrape time (they live on its own thread)."""
 
-    OUTCOMES = {"sent": "sent", "spooled": "spooled", "replayed": "replayed", "dropped": "spool_dropped"}
+    OUTCOMES = {"sent": "sent", "spooled": "spooled", "replayed": "replayed", "dropped": "dropped"}
 
     def __init__(self, producer) -> None:
         self.producer = producer
@@ -174,7 +174,8 @@ class _FeedbackCollector:
         records = CounterMetricFamily(
             "adaflash_feedback_records",
             "Feedback records by outcome: sent (acknowledged and confirmed), spooled (not delivered: "
-            "kept on disk), replayed (from the spool), dropped (spool full)",
+            "kept on disk), replayed (from the spool), dropped (spool full, or unwritable with the memory "
+            "hold full)",
             labels=["outcome"],
         )
         for outcome, key in self.OUTCOMES.items():
@@ -189,4 +190,15 @@ class _FeedbackCollector:
         yield GaugeMetricFamily("adaflash_feedback_queued", "Records not yet handed to Kafka", st["queued"])
         yield GaugeMetricFamily(
             "adaflash_feedback_connected", "1 while the producer has a broker", st["connected"]
+        )
+        yield CounterMetricFamily(
+            "adaflash_feedback_spool_write_errors",
+            "Spool writes that failed (a full disk: ENOSPC); their records are held in memory",
+            st["spool_write_errors"],
+        )
+        yield GaugeMetricFamily(
+            "adaflash_feedback_held", "Records held in memory because the spool cannot be written", st["held"]
+        )
+        yield GaugeMetricFamily(
+            "adaflash_feedback_degraded", "1 while the spool cannot be written", 1 if st["degraded"] else 0
         )

@@ -569,6 +569,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             "method": engine.config.method,
             "reloads": engine.reloads,
         }
+        if feedback is not None:
+            body["feedback"] = fb = feedback.health()
+            if ok and fb["degraded"]:  # still 200: serving works, and a restart would lose held records
+                body["status"] = "degraded"
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
