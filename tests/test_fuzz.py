@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import time
 from datetime import UTC, datetime
 
 import httpx
@@ -16,12 +18,14 @@ from hypothesis import strategies as st
 
 from adaflash.feedback import topics
 from adaflash.feedback.schema import SchemaError, parse_record
+from adaflash.serving.edge import EdgeLimits
 from adaflash.serving.engine import Engine, EngineConfig
 from adaflash.serving.server import ServerSettings, ServerThread, create_app
 from tests.conftest import make_bundle
 
 N_REQUESTS = 1000  # per endpoint: 2,000 generated requests in all
 N_RECORDS = 2000
+BODY_LIMIT = 64 * 1024  # the fuzz server's body limit: small, so bodies around it stay cheap
 
 FUZZ = settings(
     max_examples=N_REQUESTS,
@@ -93,9 +97,8 @@ def fuzz_server(tiny32):
         tiny32, make_bundle(tiny32, block_size=4), EngineConfig(method="dflash", max_model_len=64)
     )
     engine.start()
-    srv = ServerThread(
-        create_app(engine, ServerSettings(default_max_tokens=4, max_n=3)), port=_port()
-    ).start()
+    settings = ServerSettings(default_max_tokens=4, max_n=3, edge=EdgeLimits(max_body_bytes=BODY_LIMIT))
+    srv = ServerThread(create_app(engine, settings), port=_port()).start()
     client = httpx.Client(base_url=srv.url, timeout=60)
     yield engine, client
     client.close()
@@ -176,6 +179,54 @@ def test_server_is_healthy_after_the_fuzz(fuzz_server):
         assert len(STATUS) >= 2 * N_REQUESTS and max(STATUS) < 500
         # The fuzz reached generation, not only validation (a loaded machine sheds some as 429s).
         assert STATUS.count(200) >= 50
+
+
+# -- the edge: body sizes around the limit, clients that hang up at any moment --------------------------
+def _padded(size: int) -> bytes:
+    """A valid completion request of exactly `size` bytes (an ignored extra field pads it)."""
+    head, tail = b'{"prompt": "hi", "max_tokens": 1, "temperature": 0, "pad": "', b'"}'
+    return head + b"x" * max(0, size - len(head) - len(tail)) + tail
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    size=st.integers(100, 2 * BODY_LIMIT) | st.sampled_from([BODY_LIMIT, BODY_LIMIT + 1]),
+    chunked=st.booleans(),
+)
+def test_fuzz_body_sizes_get_413_exactly_past_the_limit(fuzz_server, size, chunked):
+    engine, client = fuzz_server
+    data = _padded(size)
+    # A generator body makes httpx send it chunked (no Content-Length): the server must count.
+    content = iter([data[: len(data) // 2], data[len(data) // 2 :]]) if chunked else data
+    r = client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    if len(data) > BODY_LIMIT:
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:200]
+    else:
+        assert r.status_code == 200, r.text[:200]
+    assert engine.failure is None
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(after=st.floats(0.0, 0.3), stream=st.booleans(), chat=st.booleans())
+def test_fuzz_clients_hanging_up_at_any_moment_leave_nothing_running(fuzz_server, after, stream, chat):
+    """A client sends a long request and closes the connection `after` seconds later, streaming
+    or not: the server cancels it (the engine is idle again at once) and keeps serving."""
+    engine, client = fuzz_server
+    base = {"max_tokens": 56, "temperature": 0, "stream": stream}
+    body = {**base, "messages": [{"role": "user", "content": "go"}]} if chat else {**base, "prompt": "go"}
+    data = json.dumps(body).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    host, port = client.base_url.host, client.base_url.port
+    with socket.create_connection((host, port)) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        time.sleep(after)
+    deadline = time.monotonic() + 5
+    while not engine.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.idle and engine.failure is None
 
 
 # -- feedback records ---------------------------------------------------------------------------------
