@@ -69,7 +69,9 @@ def serve(
     ] = None,
     port: Annotated[int, typer.Option()] = 8000,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
-    method: Annotated[str, typer.Option(help="default method: ar | dflash | adaflash")] = "adaflash",
+    method: Annotated[
+        str, typer.Option(help="default method: ar | dflash | adaflash | adaflash-cost | ngram | suffix")
+    ] = "adaflash",
     gamma: Annotated[float, typer.Option(help="k̂ = ⌊γ·â·k⌋")] = 1.0,
     max_running: Annotated[int, typer.Option(help="KV slots (requests decoding at once)")] = 32,
     max_queue: Annotated[int, typer.Option(help="waiting requests before HTTP 429")] = 64,
@@ -88,6 +90,16 @@ def serve(
             help="MLflow URL: serve its champion and hot-reload on promotions/rollbacks (needs Kafka)"
         ),
     ] = None,
+    suffix_cache: Annotated[
+        bool,
+        typer.Option(help="learn from governed responses (adaflash.feedback.clean) for suffix drafts"),
+    ] = True,
+    suffix_cross_tenant: Annotated[
+        bool,
+        typer.Option(help="also one suffix index over all tenants (leaks timing across tenants)"),
+    ] = False,
+    suffix_max_tokens: Annotated[int, typer.Option(help="suffix cache cap, all tenants")] = 1_000_000,
+    suffix_max_tokens_per_tenant: Annotated[int, typer.Option(help="suffix cache cap per tenant")] = 200_000,
 ) -> None:
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions, /health, /metrics, admin reload.
 
@@ -96,10 +108,11 @@ def serve(
     """
     from adaflash.serving import launch
     from adaflash.serving.engine import EngineConfig
+    from adaflash.serving.suffix_cache import SuffixCacheConfig
 
     tgt, bundle = load(target, drafter)
-    if bundle is None and method != "ar":
-        raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar)")
+    if bundle is None and method not in ("ar", "ngram", "suffix"):
+        raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar | ngram | suffix)")
     cfg = EngineConfig(
         method=method,
         gamma=gamma,
@@ -109,6 +122,12 @@ def serve(
         step_token_budget=step_token_budget,
         beta=beta,
         probe_every=probe_every,
+        suffix=SuffixCacheConfig(
+            enabled=suffix_cache,
+            cross_tenant=suffix_cross_tenant,
+            max_tokens=suffix_max_tokens,
+            max_tokens_per_tenant=suffix_max_tokens_per_tenant,
+        ),
     )
     token = os.environ.get("ADAFLASH_ADMIN_TOKEN") or None
     opts = launch.ServeOptions(host, port, model_name, bootstrap_servers, spool_dir, follow_registry, token)

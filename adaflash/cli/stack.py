@@ -74,6 +74,13 @@ def _print_stack(rows: list[dict]) -> None:
         up_down = "[green]up[/]" if r["running"] else "[red]down[/]"
         t.add_row(r["service"], up_down, str(r["pid"] or "-"), r["where"], *_supervision(r))
     console.print(t)
+    for r in rows:
+        if c := r.get("suffix_cache"):
+            offsets = ", ".join(f"{k}@{v}" for k, v in sorted(c["last_offsets"].items())) or "none yet"
+            console.print(
+                f"{r['service']} suffix cache: {c['responses']} responses, {c['tokens']} tokens "
+                f"(~{c['bytes'] / 2**20:.1f} MiB), {c['tenants']} tenants; last clean offsets: {offsets}"
+            )
 
 
 @app.command()

@@ -57,7 +57,7 @@ class RoundRecord(_Model):
     a_hat: float | None = None  # length-head prediction (adaflash only)
     # Who drafted the round: adaflash-cost picks the drafter, n-gram lookup or none (a plain AR
     # round) per request and round. Only drafter rounds say anything about the drafter.
-    proposer: Literal["drafter", "ngram", "none"] = "drafter"
+    proposer: Literal["drafter", "ngram", "suffix", "none"] = "drafter"
 
 
 class Latency(_Model):
@@ -76,7 +76,7 @@ class FeedbackRecord(_Model):
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     target_fingerprint: str
     drafter_version: str | None = None  # None for `ar`
-    method: Literal["ar", "dflash", "adaflash", "adaflash-cost", "ngram"]
+    method: Literal["ar", "dflash", "adaflash", "adaflash-cost", "ngram", "suffix"]
     block_size: int
     gamma: float = 1.0
     sampling: SamplingParams = Field(default_factory=SamplingParams)

@@ -78,6 +78,17 @@ class StackConfig:
         return f"http://127.0.0.1:{self.registry_port}"
 
 
+def _suffix_cache_of(health_url: str | None) -> dict | None:
+    """The server's fast learner as its /health reports it (size, tenants, last clean offsets)."""
+    if health_url is None:
+        return None
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as r:
+            return json.loads(r.read()).get("suffix_cache")
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass
 class Service:
     """A detached `adaflash ...` process tracked by a pid file."""
@@ -301,4 +312,8 @@ class Stack:
             row["note"] = svc.get("note")
         where = str(self.supervisor_file.parent / "supervisor.log")
         rows.append({"service": "supervisor", "running": sup_pid is not None, "pid": sup_pid, "where": where})
+        serve = next((s for s in self.services if s.name == "serve"), None)
+        for row in rows:
+            if serve is not None and row["service"] == "serve" and row["running"]:
+                row["suffix_cache"] = _suffix_cache_of(serve.health_url)
         return rows

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from adaflash.serving.suffix_cache import SuffixCacheConfig
+
 
 @dataclass
 class EngineConfig:
@@ -26,6 +28,9 @@ class EngineConfig:
     # length head is installed (they also learn from every step); off: the curves start from the
     # first steps' measurements.
     calibrate: bool = True
+    # The fast learner: per-tenant suffix indexes over governed responses (`suffix_cache.py`),
+    # proposed from by `suffix` and `adaflash-cost`. Empty until a clean-topic feed fills it.
+    suffix: SuffixCacheConfig = field(default_factory=SuffixCacheConfig)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PROPOSERS = ("drafter", "ngram")
+PROPOSERS = ("drafter", "ngram", "suffix")
 MARGIN = 0.05  # expected gain over the no-draft plan below which `choose` does not speculate
 
 
@@ -179,7 +179,7 @@ def rescaled(survival: Sequence[float], ratio: float) -> list[float]:
 
 @dataclass
 class Option:
-    proposer: str  # "none" | "ngram" | "drafter"
+    proposer: str  # "none" | "ngram" | "suffix" | "drafter"
     drafts: int  # drafts to verify (k̂ − 1)
     expected: float  # expected accepted drafts
 
@@ -203,6 +203,18 @@ class Candidate:
     ngram_limit: int
     drafter_survival: list[float]  # empty: the drafter is not an option
     drafter_limit: int
+    # Other model-free proposers (name -> survival, drafts it proposed): priced like n-gram.
+    lookups: dict[str, tuple[list[float], int]] = field(default_factory=dict)
+
+    def model_free(self) -> list[tuple[str, list[float], int]]:
+        return [("ngram", self.ngram_survival, self.ngram_limit)] + [
+            (name, surv, limit) for name, (surv, limit) in self.lookups.items()
+        ]
+
+    def survival(self, proposer: str) -> list[float]:
+        if proposer == "drafter":
+            return self.drafter_survival
+        return next((s for name, s, _ in self.model_free() if name == proposer), [])
 
 
 class TargetCost:
@@ -418,11 +430,13 @@ class SpeculationGuard:
 
 def _pick(c: Candidate, lam: float, row_price: float, lm_price: float, per_draft: float | None) -> Option:
     best, best_v = Option("none", 0, 0.0), 0.0
-    if c.ngram_survival:
-        m, expected = best_length(c.ngram_survival, c.ngram_limit, lam * row_price)
+    for name, survival, limit in c.model_free():  # no forward: only the verify rows cost
+        if not survival:
+            continue
+        m, expected = best_length(survival, limit, lam * row_price)
         v = expected - lam * row_price * m
         if m and v > best_v:
-            best, best_v = Option("ngram", m, expected), v
+            best, best_v = Option(name, m, expected), v
     if per_draft is not None and c.drafter_survival:
         price = lam * (row_price + lm_price)
         m, expected = best_length(c.drafter_survival, c.drafter_limit, price)

@@ -48,6 +48,7 @@ from adaflash.serving.request import (
 from adaflash.serving.runner import PackedBatch, PackedRunner, Segment
 from adaflash.serving.scheduler import Scheduler, SchedulerConfig
 from adaflash.serving.step_loop import EngineFailed, StepLoop
+from adaflash.serving.suffix_cache import SuffixCache
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ class Engine(StepLoop):
             self.capacity,
         )
         self.eos = set(target.tokenizer.eos_token_ids)
+        self.suffix_cache = SuffixCache(c.suffix)
         self.proposer = Proposer(self.model, ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every),
-                                 c.max_running, self.capacity)  # fmt: skip
+                                 c.max_running, self.capacity, self.suffix_cache)  # fmt: skip
         self.proposer.install(drafter, drafter_version)
         # Only `adaflash-cost` reads the cost curves, and it needs a length head; a drafter that
         # arrives later by hot reload starts its curves from the first steps' measurements.

@@ -97,6 +97,13 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
     )
     engine.start()
     exit_when_engine_dies(engine, log)
+    feed = None
+    if opts.bootstrap_servers and engine_cfg.suffix.enabled:
+        from adaflash.serving.suffix_feed import CleanFeed
+
+        # The fast learner reads the governed stream (never raw traffic): see suffix_feed.py.
+        feed = CleanFeed(engine.suffix_cache, opts.bootstrap_servers, target.fingerprint)
+        app.state.suffix_feed = feed.start(wait=0)
     follower = None
     if opts.follow_registry:
         from adaflash.serving.champion_follower import ChampionFollower
@@ -119,6 +126,8 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
     try:
         run_until_stopped(app, opts.host, opts.port, app.state.settings.edge)
     finally:
+        if feed is not None:
+            feed.stop()
         if follower is not None:
             follower.stop()
         engine.stop()

@@ -142,6 +142,10 @@ class ServingMetrics:
         for pos, (ver, acc) in self._pos.items():
             self.acceptance.labels(str(pos)).set(acc / ver)
 
+    def attach_suffix_cache(self) -> None:
+        """Export the suffix cache's size and learning counts (read at scrape time)."""
+        self.registry.register(_SuffixCollector(self.engine.suffix_cache))
+
     def attach_feedback(self, producer) -> None:
         """Export a `FeedbackProducer`'s delivery counts and spool depth."""
         self.registry.register(_FeedbackCollector(producer))
@@ -159,6 +163,30 @@ class ServingMetrics:
     def exposition(self) -> bytes:
         self.refresh()
         return generate_latest(self.registry)
+
+
+class _SuffixCollector:
+    """The fast learner's cache: what it holds (against its caps) and what it learned or skipped."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        st, c = self.cache.stats(), self.cache.config
+        size = GaugeMetricFamily("adaflash_suffix_cache", "Suffix cache contents", labels=["what"])
+        for what, v in (("tenants", st.tenants), ("responses", st.responses), ("tokens", st.tokens),
+                        ("bytes", st.bytes), ("max_tokens", c.max_tokens),
+                        ("max_tokens_per_tenant", c.max_tokens_per_tenant)):  # fmt: skip
+            size.add_metric([what], v)
+        yield size
+        learned = CounterMetricFamily(
+            "adaflash_suffix_cache_records", "Clean records offered to the cache", labels=["outcome"]
+        )
+        learned.add_metric(["added"], st.added)
+        learned.add_metric(["evicted"], st.evicted)
+        for reason, n in st.skipped.items():
+            learned.add_metric([f"skipped_{reason}"], n)
+        yield learned
 
 
 class _FeedbackCollector:

@@ -3,10 +3,11 @@ lookup and the cost-aware policy (SGLang's speculative worker, minus the verific
 
 Per decoding request, by method:
 - `ar`: nothing (k̂ = 1);
-- `ngram`: prompt lookup, as many drafts as the block allows;
+- `ngram`: prompt lookup, as many drafts as the block allows; `suffix`: suffix decoding (the
+  request's own text and its tenant's governed responses), as many as its match allows;
 - `dflash`: the drafter's full block; `adaflash`: the length head's k̂ = ⌊γ·â·k⌋ (plus the probe
   policy when `probe_every` > 1);
-- `adaflash-cost`: `costs.choose` picks drafter, n-gram or none and the length from the
+- `adaflash-cost`: `costs.choose` picks drafter, n-gram, suffix or none and the length from the
   measured step costs and acceptance; after the drafter forward, â refines that request's
   length (the block forward is then paid; only verify rows and drafter LM-head rows still cost).
 Only the kept positions of a drafted block go through the drafter's LM head.
@@ -42,8 +43,10 @@ from adaflash.serving.costs import (
     rescaled,
     scaled,
 )
-from adaflash.serving.request import DRAFTER_METHODS, Request
+from adaflash.serving.lookup import LookupProposer, PromptLookupProposer, SuffixProposer
+from adaflash.serving.request import DRAFTER_METHODS, LOOKUP_METHODS, Request
 from adaflash.serving.runner import DrafterSlots, PackedBatch, PackedRunner, Segment
+from adaflash.serving.suffix_cache import SuffixCache
 from adaflash.serving.verifier import Plan
 
 NGRAM_BLOCK = 8  # anchor + up to 7 looked-up drafts when no drafter fixes the block size
@@ -67,8 +70,20 @@ class ProposerConfig:
 
 
 class Proposer:
-    def __init__(self, model: TargetModel, config: ProposerConfig, slots: int, capacity: int) -> None:
+    def __init__(
+        self,
+        model: TargetModel,
+        config: ProposerConfig,
+        slots: int,
+        capacity: int,
+        suffix_cache: SuffixCache | None = None,
+    ) -> None:
         self.model, self.config = model, config
+        # The model-free proposers, by name (each is also a method of its own).
+        self.lookups: dict[str, LookupProposer] = {
+            "ngram": PromptLookupProposer(),
+            "suffix": SuffixProposer(suffix_cache),
+        }
         self.slots, self.capacity = slots, capacity
         self.bundle: DrafterBundle | None = None
         self.version: str | None = None
@@ -84,7 +99,8 @@ class Proposer:
         self._explore_gap: dict[int, int] = {}  # per load bucket: steps between forced explorations
         self._idle: dict[int, int] = {}  # per load bucket: plans in a row that chose no draft
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
-        self._ngram: dict[int, list[int]] = {}  # this step's n-gram proposals (scored in observe)
+        # This step's model-free proposals, per proposer and request index (scored in observe).
+        self._proposed: dict[str, dict[int, list[int]]] = {}
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
 
@@ -103,7 +119,7 @@ class Proposer:
         """Record on `req` what serves it: the drafter version and the block its rounds verify."""
         if req.method in DRAFTER_METHODS:
             req.drafter_version, req.block_size = self.version, self.block_size
-        elif req.method == "ngram":  # no drafter: lookups verify up to the proposer's block
+        elif req.method in LOOKUP_METHODS:  # no drafter: lookups verify up to the proposer's block
             req.drafter_version, req.block_size = None, self.lookup_block
 
     def install(self, bundle: DrafterBundle | None, version: str | None) -> None:
@@ -125,10 +141,9 @@ class Proposer:
         k = self.lookup_block
         self.mean_a_hat = None
         # Optimistic n-gram prior: lookup costs no forward, so it gets tried and measured early.
-        self.stats = {
-            "drafter": AcceptanceStats(k - 1),
-            "ngram": AcceptanceStats(k - 1, prior=0.6, prior_weight=4),
-        }
+        self.stats = {"drafter": AcceptanceStats(k - 1)}
+        for name in self.lookups:
+            self.stats[name] = AcceptanceStats(k - 1, prior=0.6, prior_weight=4)
 
     def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
         if self.dslots is not None:
@@ -198,13 +213,13 @@ class Proposer:
         n = len(decoding)
         k = self.lookup_block
         opts: list[Option] = [Option("none", 0, 0.0)] * n
-        ngram: dict[int, list[int]] = {}
+        proposed: dict[str, dict[int, list[int]]] = {name: {} for name in self.lookups}
         fixed = []  # drafter requests of fixed-policy methods
         policy = [i for i, r in enumerate(decoding) if r.method == "adaflash-cost" and self.bundle]
         for i, r in enumerate(decoding):
-            if r.method == "ngram":
-                ngram[i] = self._lookup(r, k)
-                opts[i] = Option("ngram", len(ngram[i]), 0.0)
+            if r.method in LOOKUP_METHODS:
+                drafts = proposed[r.method][i] = self._lookup(r.method, r, k)
+                opts[i] = Option(r.method, len(drafts), 0.0)
             elif r.method in ("dflash", "adaflash"):
                 if r.skip_drafts > 0:
                     r.skip_drafts -= 1  # an AR round: k̂ = 1, no draft (probe policy)
@@ -223,10 +238,11 @@ class Proposer:
         elif policy:
             # Looked up only when the step is priced: an idle step (above) skips the per-request
             # Python; the index catches up with every token the next time it is asked.
-            ngram.update({i: self._lookup(decoding[i], k) for i in policy})
-            cands = [self._candidate(decoding[i], ngram[i], k) for i in policy]
+            for name, found in proposed.items():
+                found.update({i: self._lookup(name, decoding[i], k) for i in policy})
+            cands = [self._candidate(decoding[i], {m: p[i] for m, p in proposed.items()}, k) for i in policy]
             base = base_rows + n + len(fixed) * (k - 1)
-            base += sum(len(ngram[i]) for i in range(n) if decoding[i].method == "ngram")
+            base += sum(o.drafts for r, o in zip(decoding, opts, strict=True) if r.method in LOOKUP_METHODS)
             self._penalty = self.guard.penalty(n)
             self._requests = n
             chosen, rate = choose(
@@ -256,26 +272,25 @@ class Proposer:
             if any(o.proposer == "drafter" for o in chosen):
                 self.steps_since_draft = 0
         drafted = [i for i in range(n) if i in fixed or opts[i].proposer == "drafter"]
-        drafts_per: list[list[int]] = [ngram[i][: opts[i].drafts] if opts[i].proposer == "ngram" else []
-                                       for i in range(n)]  # fmt: skip
+        drafts_per: list[list[int]] = [self._chosen(proposed, opts[i], i) for i in range(n)]
         probs_per: list[torch.Tensor | None] = [None] * n
         a_hat: list[float | None] = [None] * n
         if drafted:
             t0 = clock()
-            self._draft(decoding, drafted, opts, ngram, rate, drafts_per, probs_per, a_hat)
+            self._draft(decoding, drafted, opts, proposed, rate, drafts_per, probs_per, a_hat)
             self._draft_seconds = clock() - t0
         V = self.model.config.vocab_size
         for i, r in enumerate(decoding):
             if drafts_per[i] and r.params.temperature > 0 and probs_per[i] is None:
-                # An n-gram draft's q is the point mass on it: speculative sampling accepts x with
+                # A lookup draft's q is the point mass on it: speculative sampling accepts x with
                 # probability p(x) and resamples the residual — still lossless.
                 q = torch.zeros(len(drafts_per[i]), V, dtype=self.model.dtype)
                 q[torch.arange(len(drafts_per[i])), torch.tensor(drafts_per[i])] = 1.0
                 probs_per[i] = q
-        self._ngram = ngram
+        self._proposed = proposed
         self._methods = [r.method for r in decoding]
         proposer = [
-            "ngram" if opts[i].proposer == "ngram" else "drafter" if i in drafted else "none"
+            opts[i].proposer if opts[i].proposer in self.lookups else "drafter" if i in drafted else "none"
             for i in range(n)
         ]
         khat = [len(ds) + 1 for ds in drafts_per]
@@ -310,7 +325,7 @@ class Proposer:
     ) -> list[Option]:
         """A lockstep plan (`_critical`) advances the batch by 1 + E[min accepted] steps, not by
         its mean: keep it only if that beats plain decoding's step rate by `MARGIN`."""
-        curves = [(c.drafter_survival if o.proposer == "drafter" else c.ngram_survival)[: o.drafts]
+        curves = [c.survival(o.proposer)[: o.drafts]
                   for c, o in zip(cands, chosen, strict=True) if o.proposer != "none"]  # fmt: skip
         if not curves:
             return chosen
@@ -324,30 +339,43 @@ class Proposer:
         """Drafts a round of this request may verify: the block's k − 1, less near max_tokens."""
         return max(0, min(k - 1, r.params.max_tokens - len(r.output_ids) - 1))
 
-    @classmethod
-    def _lookup(cls, r: Request, k: int) -> list[int]:
-        """The request's n-gram drafts: as many as the block and its remaining tokens allow."""
-        room = cls._room(r, k)
-        if room == 0:
-            return []
-        r.lookup.sync(r.tokens)
-        return r.lookup.propose(room)
-
-    def _candidate(self, r: Request, ngram: list[int], k: int) -> Candidate:
+    def _lookup(self, name: str, r: Request, k: int) -> list[int]:
+        """The request's drafts from one model-free proposer: as many as the block and its
+        remaining tokens allow (fewer where the proposer is unsure)."""
         room = self._room(r, k)
-        ng = self.stats["ngram"].survival()
-        ng_first = r.accept_ema.get("ngram", self.stats["ngram"].conditional()[0])
+        return self.lookups[name].propose(r, room) if room else []
+
+    @staticmethod
+    def _chosen(proposed: dict[str, dict[int, list[int]]], o: Option, i: int) -> list[int]:
+        """The drafts a model-free option verifies (the drafter's are filled in by `_draft`)."""
+        return proposed[o.proposer][i][: o.drafts] if o.proposer in proposed else []
+
+    def _lookup_survival(self, r: Request, name: str, drafts: list[int]) -> list[float]:
+        """A model-free proposal's expected acceptance: the proposer's measured conditionals, the
+        first position set to this request's own hit rate with it."""
+        if not drafts:
+            return []
+        stats = self.stats[name]
+        first = r.accept_ema.get(name, stats.conditional()[0])
+        return scaled(stats.survival(), first)[: len(drafts)]
+
+    def _candidate(self, r: Request, proposed: dict[str, list[int]], k: int) -> Candidate:
+        room = self._room(r, k)
+        ngram = proposed.get("ngram", [])
         dr = self.stats["drafter"].survival()
         mean = self.mean_a_hat or 1.0
         a = r.accept_ema.get("a_hat", mean)
+        others = {name: (self._lookup_survival(r, name, d), len(d))
+                  for name, d in proposed.items() if name != "ngram" and d}  # fmt: skip
         return Candidate(
-            scaled(ng, ng_first)[: len(ngram)] if ngram else [],
+            self._lookup_survival(r, "ngram", ngram),
             len(ngram),
             rescaled(dr, a / max(mean, 1e-3))[:room] if room else [],
             room,
+            others,
         )
 
-    def _draft(self, decoding, drafted, opts, ngram, rate, drafts_per, probs_per, a_hat) -> None:
+    def _draft(self, decoding, drafted, opts, proposed, rate, drafts_per, probs_per, a_hat) -> None:
         d = self.bundle.drafter
         k = d.block_size
         reqs = [decoding[i] for i in drafted]
@@ -372,7 +400,7 @@ class Proposer:
                     if kh[j] == 1:
                         r.skip_drafts = self.config.probe_every - 1
                 elif r.method == "adaflash-cost":
-                    kh[j] = self._refine(r, i, a, opts, ngram, rate) + 1
+                    kh[j] = self._refine(r, i, a, opts, proposed, rate) + 1
         # A round yields at most k̂ tokens: never verify past max_tokens.
         remaining = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs])
         kh = torch.minimum(kh, remaining)
@@ -386,8 +414,8 @@ class Proposer:
             greedy_tok = self.vocab[greedy_tok]
         for j, r in enumerate(reqs):
             i = drafted[j]
-            if opts[i].proposer == "ngram":  # the refinement preferred the n-gram draft after all
-                drafts_per[i] = ngram[i][: opts[i].drafts]
+            if opts[i].proposer in self.lookups:  # the refinement preferred a lookup draft after all
+                drafts_per[i] = self._chosen(proposed, opts[i], i)
                 continue
             rows = (owner == j).nonzero().squeeze(1)
             if r.params.temperature == 0:
@@ -414,12 +442,12 @@ class Proposer:
         full[:, self.vocab] = logits
         return full
 
-    def _refine(self, r: Request, i: int, a: float, opts, ngram, rate: float) -> int:
-        """With â known, the best of drafter / n-gram / none for this request (block forward paid)."""
+    def _refine(self, r: Request, i: int, a: float, opts, proposed, rate: float) -> int:
+        """With â known, the best of drafter / lookups / none for this request (block forward paid)."""
         k = self.block_size
         r.accept_ema["a_hat"] = (1 - MEMORY) * r.accept_ema.get("a_hat", a) + MEMORY * a
         self.mean_a_hat = a if self.mean_a_hat is None else 0.98 * self.mean_a_hat + 0.02 * a
-        cand = self._candidate(r, ngram.get(i, []), k)
+        cand = self._candidate(r, {m: p.get(i, []) for m, p in proposed.items()}, k)
         ratio = a / max(self.mean_a_hat, 1e-3)
         cand.drafter_survival = rescaled(self.stats["drafter"].survival(), ratio)[: cand.drafter_limit]
         rows = max(sum(o.drafts for o in opts), 1)
@@ -428,35 +456,35 @@ class Proposer:
         lm_price = self._penalty * self.costs.drafter_lm(rows) / rows
         o = _pick(cand, rate, max(row_price, 0.0), lm_price, 0.0)
         opts[i] = o
-        if o.proposer == "ngram":
-            return 0
         return o.drafts if o.proposer == "drafter" else 0
 
     # --- feedback from verification ------------------------------------------------------------
 
     def observe(self, decoding: list[Request], plan: Plan, accepted: list[int], nxt: list[int]) -> None:
-        """Acceptance from this step's verification. The n-gram proposal of a policy request is
-        also scored when it was not the one verified: its drafts are compared with the tokens
-        the step committed (known up to accepted + 1 of them), which measures lookup for free."""
+        """Acceptance from this step's verification. A policy request's lookup proposals are
+        also scored when they were not the one verified: their drafts are compared with the
+        tokens the step committed (known up to accepted + 1 of them), which measures them for
+        free."""
         doff = kernels.draft_offsets(plan.cu)
         for i, r in enumerate(decoding):
             p, drafted = plan.proposer[i], plan.khat[i] - 1
             if p in self.stats and drafted > 0:
                 self.stats[p].observe(drafted, accepted[i])
-            ng = self._ngram.get(i)
-            if p == "ngram":
-                hits = accepted[i]
-            elif ng and r.method == "adaflash-cost":
-                lo = int(doff[i])
-                new = plan.drafts[lo : lo + accepted[i]].tolist() + [nxt[i]]
-                drafted = min(len(ng), len(new))
-                hits = next((j for j in range(drafted) if ng[j] != new[j]), drafted)
-                self.stats["ngram"].observe(drafted, hits)
-            else:
-                continue
-            hit = float(hits > 0)
-            r.accept_ema["ngram"] = (1 - MEMORY) * r.accept_ema.get("ngram", hit) + MEMORY * hit
-        self._ngram = {}
+            for name, found in self._proposed.items():
+                proposal = found.get(i)
+                if p == name:
+                    hits = accepted[i]
+                elif proposal and r.method == "adaflash-cost":
+                    lo = int(doff[i])
+                    new = plan.drafts[lo : lo + accepted[i]].tolist() + [nxt[i]]
+                    tried = min(len(proposal), len(new))
+                    hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
+                    self.stats[name].observe(tried, hits)
+                else:
+                    continue
+                hit = float(hits > 0)
+                r.accept_ema[name] = (1 - MEMORY) * r.accept_ema.get(name, hit) + MEMORY * hit
+        self._proposed = {}
 
     def observe_step(
         self,

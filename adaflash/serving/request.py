@@ -19,14 +19,17 @@ import torch
 
 from adaflash.errors import InputError
 from adaflash.models.ngram import NgramIndex
+from adaflash.models.suffix import SuffixIndex
 
 log = logging.getLogger(__name__)
 
 # `ar`: plain decoding. `dflash`: the drafter's full block every round. `adaflash`: the paper's
 # length head, k̂ = ⌊γ·â·k⌋. `adaflash-cost`: per request and round, the measured-cost policy picks
 # the proposer (drafter, n-gram lookup, or none) and k̂ that promise the most tokens per second.
-# `ngram`: prompt lookup alone (vLLM's `ngram`, SGLang's NGRAM). All are lossless.
-METHODS: tuple[str, ...] = ("ar", "dflash", "adaflash", "adaflash-cost", "ngram")
+# `ngram`: prompt lookup alone (vLLM's `ngram`, SGLang's NGRAM). `suffix`: suffix decoding alone
+# (the request's own text and its tenant's governed responses, `lookup.py`). All are lossless.
+METHODS: tuple[str, ...] = ("ar", "dflash", "adaflash", "adaflash-cost", "ngram", "suffix")
+LOOKUP_METHODS = ("ngram", "suffix")  # model-free: no drafter, the method names its proposer
 DRAFTER_METHODS = ("dflash", "adaflash", "adaflash-cost")  # run the drafter, keep its context
 HEAD_METHODS = ("adaflash", "adaflash-cost")  # need the length head
 
@@ -76,7 +79,7 @@ class RoundStat:
     verify_len: int  # k̂, anchor included
     accepted: int  # drafted tokens accepted
     a_hat: float | None = None
-    proposer: str = "drafter"  # "drafter" | "ngram" | "none" (an AR round)
+    proposer: str = "drafter"  # "drafter" | "ngram" | "suffix" | "none" (an AR round)
 
 
 # sink(request, new_token_ids, finished): called on the step-loop thread.
@@ -116,6 +119,7 @@ class Request:
     # Per-request acceptance memory of the cost policy (EMA of accepted drafts per proposer).
     accept_ema: dict[str, float] = field(default_factory=dict)
     lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # prompt lookup's n-gram table
+    suffix_index: SuffixIndex | None = field(default=None, repr=False)  # suffix decoding's own index
 
     @property
     def finished(self) -> bool:

@@ -216,10 +216,21 @@ async def finished_unless_gone(work, http: HttpRequest) -> bool:
         task.cancel()
 
 
+def suffix_health(engine: Engine, feed) -> dict:
+    """The fast learner in `/health`: its size, tenants and the last clean offsets it applied."""
+    body = engine.suffix_cache.stats().as_dict()
+    body["tenant_ids"] = engine.suffix_cache.tenants()[:50]
+    body["enabled"] = engine.suffix_cache.config.enabled
+    if feed is not None:
+        body["feed"] = {"ready": feed.ready, "applied": feed.applied, "error": feed.error}
+    return body
+
+
 def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=None) -> FastAPI:
     """`feedback`: the `FeedbackProducer` whose delivery counts /metrics exports, if any."""
     settings = settings or ServerSettings()
     metrics = ServingMetrics(engine)
+    metrics.attach_suffix_cache()
     if feedback is not None:
         metrics.attach_feedback(feedback)
     reloader = DrafterReloader(engine, metrics)
@@ -569,6 +580,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             "method": engine.config.method,
             "reloads": engine.reloads,
         }
+        body["suffix_cache"] = suffix_health(engine, getattr(app.state, "suffix_feed", None))
         if feedback is not None:
             body["feedback"] = fb = feedback.health()
             if ok and fb["degraded"]:  # still 200: serving works, and a restart would lose held records

@@ -1,0 +1,68 @@
+"""The model-free proposers: drafts that cost no forward, only the verify rows they add.
+
+- `PromptLookupProposer` (`ngram`): the newest 1-3 tokens matched in the request's own prompt and
+  output, the most recent continuation (vLLM `ngram`, SGLang NGRAM);
+- `SuffixProposer` (`suffix`): SuffixDecoding — the request's own prompt and output *and* its
+  tenant's earlier governed responses (`SuffixCache`), frequency-scored, the draft length
+  adapting to the match.
+
+Each answers `propose(request, room)` with at most `room` draft tokens. The cost policy
+(`proposer.py`) decides which one, if any, a round verifies and how many of its drafts.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from adaflash.models.suffix import Draft, SuffixConfig, SuffixIndex
+from adaflash.serving.request import Request
+from adaflash.serving.suffix_cache import SuffixCache
+
+
+class LookupProposer(Protocol):
+    name: str
+
+    def propose(self, req: Request, room: int) -> list[int]: ...
+
+
+class PromptLookupProposer:
+    name = "ngram"
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        if room <= 0:
+            return []
+        req.lookup.sync(req.tokens)
+        return req.lookup.propose(room)
+
+
+class SuffixProposer:
+    name = "suffix"
+
+    def __init__(self, cache: SuffixCache | None = None, config: SuffixConfig | None = None) -> None:
+        self.cache = cache
+        self.config = config or (cache.config.index if cache is not None else SuffixConfig())
+
+    def _local(self, req: Request, tokens: list[int]) -> SuffixIndex:
+        """The request's own suffix index over its prompt and output, grown with every token."""
+        idx = req.suffix_index
+        if idx is None or idx.tokens > len(tokens):  # new, or cut by a stop sequence
+            idx = req.suffix_index = SuffixIndex(self.config)
+        if idx.tokens < len(tokens):
+            idx.extend(0, tokens[idx.tokens :])
+        return idx
+
+    def draft(self, req: Request, room: int) -> Draft | None:
+        """The better-scored of the request's own proposal and its tenant cache's."""
+        if room <= 0:
+            return None
+        tokens = req.tokens
+        best = self._local(req, tokens).propose(tokens, room)
+        if self.cache is not None and self.cache.config.enabled:
+            shared = self.cache.propose(req.tenant_id, tokens, room)
+            if shared is not None and (best is None or shared.score > best.score):
+                best = shared
+        return best
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        d = self.draft(req, room)
+        return d.tokens if d is not None else []
