@@ -36,10 +36,17 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> N
     raise AssertionError("adaflash serve did not become healthy")
 
 
-async def _burst(url: str, n: int) -> list[str]:
+async def _burst(url: str, n: int, clients: int = 32) -> list[str]:
+    """n requests from `clients` concurrent clients (within serve's default queue bound)."""
+    gate = asyncio.Semaphore(clients)
+    body = {"prompt": "tell me more", "max_tokens": 8, "temperature": 0}
+
+    async def one(c: httpx.AsyncClient) -> httpx.Response:
+        async with gate:
+            return await c.post("/v1/completions", json=body)
+
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        body = {"prompt": "tell me more", "max_tokens": 8, "temperature": 0}
-        rs = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(n)))
+        rs = await asyncio.gather(*(one(c) for _ in range(n)))
     assert all(r.status_code == 200 for r in rs), [r.text[:200] for r in rs if r.status_code != 200]
     return [r.json()["id"].removeprefix("cmpl-") for r in rs]
 
