@@ -16,7 +16,9 @@ with a one-line reason on any mismatch.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,10 @@ META = "adaflash.json"
 # computes draft logits over these rows of the LM head only; verification is unaffected (lossless
 # for any proposal distribution), so a cut only changes what can be proposed.
 DRAFT_VOCAB = "draft_vocab.json"
+# What a checkpoint file may weigh before it is read: a size cap keeps a bogus or hostile file from
+# exhausting memory (the largest public DFlash drafters are ~2 GB; raise it for bigger ones).
+MAX_WEIGHTS_BYTES = int(os.environ.get("ADAFLASH_MAX_DRAFTER_BYTES", str(8 << 30)))
+MAX_JSON_BYTES = 16 << 20
 
 
 @dataclass
@@ -109,22 +115,53 @@ def save_drafter(
     return out
 
 
-def _read_json(path: Path) -> dict:
+def _read_regular(path: Path, cap: int) -> bytes:
+    """The bytes of `path`, only when it is a regular file of at most `cap` bytes.
+
+    A FIFO, a device or a socket is refused before anything reads it: safetensors opens its file
+    in Rust while holding the GIL, so a FIFO as `model.safetensors` froze the whole process
+    (issue 32). O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer,
+    and the checks run on the opened descriptor, so the file checked is the file read. The read
+    itself is Python's, which releases the GIL: a hung network filesystem blocks only the
+    reading thread (the reloader bounds it with a timeout)."""
     try:
-        return json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointError(f"drafter checkpoint is missing {path.name} ({path.parent})") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open drafter checkpoint file {path}: {e.strerror}") from None
+    with open(fd, "rb") as f:  # owns fd from here: closed on every path
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"drafter checkpoint file {path} is not a regular file (a FIFO, device or socket): "
+                "refusing to read it"
+            )
+        if st.st_size > cap:
+            raise CheckpointError(
+                f"drafter checkpoint file {path} is {st.st_size} bytes, over the {cap}-byte cap"
+            )
+        data = f.read(cap + 1)
+    if len(data) > cap:  # grew after the check
+        raise CheckpointError(f"drafter checkpoint file {path} is over the {cap}-byte cap")
+    return data
+
+
+def _read_json(path: Path) -> dict:
+    raw = _read_regular(path, MAX_JSON_BYTES)
+    try:
+        return json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"drafter checkpoint file {path} is corrupt: {e}") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    if not path.exists():
-        raise CheckpointError(f"drafter checkpoint is missing {path.name} ({path.parent})")
+    raw = _read_regular(path, MAX_WEIGHTS_BYTES)
     try:
-        return load_file(str(path))
+        # Parsed from memory: no file I/O inside safetensors (see _read_regular).
+        return load(raw)
     except Exception as e:  # safetensors raises several types for truncated/garbled files
         raise CheckpointError(f"drafter weights {path} are corrupt: {e}") from None
 

@@ -2,8 +2,11 @@
 
 `DrafterReloader.reload(path)` loads the checkpoint on its own thread (`load_drafter_for` checks
 the target fingerprint, shapes and every tensor), so the step loop keeps serving the old drafter
-meanwhile. Only a fully validated bundle is staged; the engine installs it at the next step
-boundary (`Engine.stage_drafter`), so no step ever mixes two drafters. A corrupt or mismatched
+meanwhile. The read is bounded: only regular files within a size cap are read
+(`models/checkpoint.py: _read_regular`, so a FIFO cannot block it), and a read that does not
+finish within `timeout_s` (a hung network filesystem) is abandoned and the reload fails. Only a
+fully validated bundle is staged; the engine installs it at the next step boundary
+(`Engine.stage_drafter`), so no step ever mixes two drafters. A corrupt or mismatched
 checkpoint raises `CheckpointError` with a one-line reason and the old drafter keeps serving.
 """
 
@@ -11,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,10 +78,17 @@ def checkpoint_check(target: str, vocab: Vocabulary) -> Callable[[Path], None]:
     return check
 
 
+# How long a reload may spend reading a checkpoint before it is abandoned (a hung filesystem).
+RELOAD_TIMEOUT_S = float(os.environ.get("ADAFLASH_RELOAD_TIMEOUT_S", "300"))
+
+
 class DrafterReloader:
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Engine, metrics: ServingMetrics | None = None, timeout_s: float = RELOAD_TIMEOUT_S
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-reload")
         self._lock = threading.Lock()
 
@@ -87,8 +99,7 @@ class DrafterReloader:
     def _load(self, path: Path, version: str | None) -> str:
         with self._lock:  # one reload at a time: the last one staged wins, never a mix
             try:
-                bundle = load_checked(self.engine, path)
-                version = version or drafter_version(bundle, path)
+                bundle, version = self._read(path, version)
             except CheckpointError:
                 if self.metrics is not None:
                     self.metrics.reloads.labels("rejected").inc()
@@ -97,6 +108,28 @@ class DrafterReloader:
             if self.metrics is not None:
                 self.metrics.reloads.labels("ok").inc()
             return version
+
+    def _read(self, path: Path, version: str | None) -> tuple[DrafterBundle, str]:
+        """Load and name the checkpoint on a thread of its own, waiting at most `timeout_s`. A read
+        stuck in the kernel (Python's reads release the GIL) is left behind on its daemon thread:
+        this reload fails, the lock is released and the next reload can start."""
+        done: Future = Future()
+
+        def read() -> None:
+            try:
+                bundle = load_checked(self.engine, path)
+                done.set_result((bundle, version or drafter_version(bundle, path)))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting reload
+                done.set_exception(e)
+
+        threading.Thread(target=read, name="drafter-read", daemon=True).start()
+        try:
+            return done.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise CheckpointError(
+                f"reading drafter {path} did not finish within {self.timeout_s:g} s (a hung "
+                "filesystem?): abandoned"
+            ) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
