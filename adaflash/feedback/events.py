@@ -5,9 +5,10 @@ The registry publishes one event per action. For a server an event is only a hin
 `replaced_version` the one demoted), re-read the champion from *its own configured* registry and
 serve it only when a promotion record authorises it (`RegistryReader.audit_champion`). Anyone who
 can write to the topic can forge an event, so `tracking_uri` and `artifact_uri` say where the
-action happened, for people and logs: a server never dials them. `registered` and `approved` events are informational for
-the fleet. Versions are strings whatever the MLflow store returned (SQLite gives ints, REST
-strings). Keyed by the registered model name; the topic has one partition, so events are ordered.
+action happened, for people and logs: a server never dials them. `registered` and `approved`
+events are informational for the fleet. Versions are strings whatever the MLflow store returned
+(SQLite gives ints, REST strings). Keyed by the registered model name; the topic has one
+partition, so events are ordered.
 """
 
 from __future__ import annotations
