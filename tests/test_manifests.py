@@ -41,7 +41,11 @@ CRD_KINDS = {
     ("kafka.strimzi.io/v1beta2", "KafkaUser"),
 }
 # Created by the operator before `kubectl apply` in production (never committed).
-OUT_OF_BAND_SECRETS = {"production": {"mlflow-db", "mlflow-s3", "gateway-api-keys"}, "local-kind": set()}
+OUT_OF_BAND_SECRETS = {
+    "production": {"mlflow-db", "mlflow-s3", "gateway-api-keys"}
+    | {"mlflow-auth", "mlflow-reader", "mlflow-writer"},  # MLflow basic auth (base/mlflow-users.yaml)
+    "local-kind": set(),
+}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # The pipeline IR each overlay ships: local-kind has no GPU nodes, production trains on them.
 IR_OF = {"local-kind": IR_PATHS["local"], "production": IR_PATHS["production"]}
@@ -525,3 +529,29 @@ def test_auditors_can_read_the_auditor_credentials_and_nothing_else(overlay):
     assert binding["subjects"] == [
         {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "adaflash-auditors"}
     ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_mlflow_needs_a_login_and_serving_logs_in_read_only(overlay):
+    """Issue 32: an anonymous client cannot move the champion alias (basic auth), and everything
+    on the serving side that reads the registry logs in as the read-only user."""
+    docs = render(overlay)
+    (mlflow,) = [
+        c for d, spec in pod_specs(docs) if d["metadata"]["name"] == "mlflow" for c in spec["containers"]
+    ]
+    assert "--app-name=basic-auth" in mlflow["args"]
+    readers = 0
+    for d, spec in pod_specs(docs):
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            # The serving side's registry readers (the schedule Job only passes the URI on to KFP).
+            talks = c["name"] == "export-drafter" or d["metadata"]["name"] == "fleet-controller"
+            if not talks:
+                continue
+            env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}) for e in c.get("env", [])}
+            for var in (
+                "MLFLOW_TRACKING_USERNAME",
+                "MLFLOW_TRACKING_PASSWORD",
+            ):  # kind: generated, hashed names
+                assert env.get(var, {}).get("name", "").startswith("mlflow-reader"), (c["name"], var)
+            readers += 1
+    assert readers >= 2  # the SGLang export and the fleet controller at least
