@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from datetime import UTC, datetime
+
+import pytest
 
 from adaflash.components.steps import ingest
 from adaflash.feedback import topics
@@ -16,6 +19,7 @@ from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.filters import FilterConfig
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.payloads import json_depth_exceeds
+from adaflash.governance.pii_rules import second_pass
 from adaflash.governance.synthetic import TrafficGenerator
 from adaflash.workloads import load_prompts
 
@@ -215,3 +219,40 @@ def test_ingest_skips_an_unreadable_shard_and_a_bad_row_with_a_reason(tmp_path, 
     assert snap.lineage["skipped_records"] == n_torn + 1
     assert rows[0]["shard_id"] not in snap.shard_ids and rows[1]["shard_id"] in snap.shard_ids
     assert "unreadable" in caplog.text
+
+
+# -- issue 32: one long word ------------------------------------------------------------------------------
+# Shapes that made a pattern of the second PII pass quadratic (or worse) before: the work per start
+# position grew with the word, and every position of the word was a start.
+ADVERSARIAL_UNITS = ["A", "Ab", "0", "A'", "Via ", "a dot ", "+1", "mysql ", "a-", "a.", "eyJ-", "sk-", "A "]
+
+
+@pytest.mark.parametrize("unit", ADVERSARIAL_UNITS)
+def test_second_pii_pass_is_linear_on_adversarial_text(unit):
+    text = (unit * (64_000 // len(unit) + 1))[:64_000]
+    second_pass("John Smith, Via Roma 5")  # the name lists load once per process
+    t = time.perf_counter()
+    second_pass(text)
+    assert time.perf_counter() - t < 2.0  # was 181 s for "+1", 5.6 s for "mysql ", 4.4 s for "a-"
+
+
+@pytest.mark.parametrize("unit", ["Hauptstrasse", "A", "a-", "1 "])
+def test_a_500_kb_single_word_record_is_governed_in_under_2_s(tmp_path, vocab, scrubber, unit):
+    """A record under the 512 KiB cap whose prompt is one 500 KB word held governance for 352 s
+    (the Germanic street-name pattern). Texts past the scrub cap are not scrubbed at all: the
+    record is quarantined with its reason and keeps no text."""
+    by = load_prompts("train")
+    gen = TrafficGenerator(vocab, [p.text for p in by["math"][:50]], seed=12)
+    gov = Governor(GovernanceConfig(data_dir=tmp_path / "gov", filters=FILTERS), vocab, scrubber)
+    gov.govern([Message(topics.RAW, 0, 0, None, gen.normal(pii_fraction=1.0).value)])  # warm
+    rec = _record_json(gen)
+    rec["prompt_text"] = (unit * (500_000 // len(unit) + 1))[:500_000]
+    value = json.dumps(rec).encode()
+    assert len(value) <= GovernanceConfig(data_dir=tmp_path).max_payload_bytes
+
+    t = time.perf_counter()
+    out = gov.govern([Message(topics.RAW, 0, 1, None, value)])
+    gov.persist(out, datetime.now(UTC), None)
+    assert time.perf_counter() - t < 2.0
+    (q,) = out.quarantined
+    assert "too_large" in [r.code for r in q.reasons] and q.prompt_scrubbed is None

@@ -89,6 +89,10 @@ class GovernanceConfig:
     # one is quarantined unread. 512 KiB keeps every text below spaCy's 1M-character limit.
     max_payload_bytes: int = 512 * 1024
     max_json_depth: int = 32
+    # A text longer than this is not scrubbed: its record is quarantined as `too_large` and keeps
+    # no text. 16 characters per token of the 4096-token limits: no record that could train is
+    # this long, and the NER scrub costs seconds per 10k tokens on 2 cores (issue 32).
+    max_scrub_chars: int = 65_536
 
     @property
     def buffer_dir(self) -> Path:
@@ -238,11 +242,14 @@ class Governor:
         governed_at = datetime.now(UTC)
         for (m, rec), (sp, so) in zip(batch.parsed, scrubbed.records, strict=True):
             if sp is None or so is None or rec.record_id in gx_reasons.get(_FAILED, ()):
-                why = (
-                    ("scrub_failed", "PII scrubbing raised")
-                    if sp is None or so is None
-                    else ("check_failed", "validation raised")
-                )
+                longest = max(len(rec.prompt_text), len(rec.output_text))
+                if longest > self.cfg.max_scrub_chars:
+                    cap = self.cfg.max_scrub_chars
+                    why = ("too_large", f"a text of {longest} characters > the {cap}-character scrub cap")
+                elif sp is None or so is None:
+                    why = ("scrub_failed", "PII scrubbing raised")
+                else:
+                    why = ("check_failed", "validation raised")
                 self._quarantine_message(out, m, rec.record_id, rec.tenant_id, *why, governed_at)
                 continue
             self._route_record(m, rec, sp, so, gx_reasons.get(rec.record_id, []), governed_at, out)
@@ -345,10 +352,21 @@ class Governor:
                 out[_FAILED].add(r.record_id)
         return out
 
-    def _scrub_isolated(self, texts: list[str], **kw) -> list:
-        """Scrub results, None for a text the scrubber raised on (retried one by one)."""
+    def _scrub_isolated(self, texts: list[str], groups: list) -> list:
+        """Scrub results, None for a text over the scrub cap (never scrubbed) or one the scrubber
+        raised on (retried one by one)."""
+        keep = [i for i, t in enumerate(texts) if len(t) <= self.cfg.max_scrub_chars]
+        out: list = [None] * len(texts)
+        done = self._scrub_all([texts[i] for i in keep], [groups[i] for i in keep])
+        for i, r in zip(keep, done, strict=True):
+            out[i] = r
+        return out
+
+    def _scrub_all(self, texts: list[str], groups: list) -> list:
+        if not texts:
+            return []
         try:
-            return self.scrubber.scrub(texts, **kw)
+            return self.scrubber.scrub(texts, groups=groups)
         except Exception as exc:  # noqa: BLE001
             log.warning("scrubbing %d texts raised %r: scrubbing them one by one", len(texts), exc)
         out = []

@@ -81,7 +81,9 @@ _TITLES = (
     r"Mr|Mrs|Ms|Mx|Miss|Dr|Prof|Professor|Sir|Dame|Herr|Frau|Mme|Mlle|Mm|Sr|Sra|Srta|Sig|Sig\.ra|Dott|"
     r"Shri|Smt|Pan|Pani|Sheikh|Rev|Hon|Capt|Col|Gen|Lt|Sgt|Judge|Justice|Senator|Rep|Ustadh|Ustadha|Imam"
 )
-_NAME_TOKEN = r"[A-ZÀ-ÖØ-ÞĀ-ſƀ-ɏḀ-ỿ][^\W\d_]*(?:['’\-][^\W\d_]+)*"
+# Bounded (a name part is at most ~40 letters, a hyphenated name a few parts): unbounded, a scan
+# was quadratic on one long word such as "A'A'A'..." (issue 32).
+_NAME_TOKEN = r"[A-ZÀ-ÖØ-ÞĀ-ſƀ-ɏḀ-ỿ][^\W\d_]{0,40}(?:['’\-][^\W\d_]{1,40}){0,4}"
 _NAME_RUN = re.compile(
     r"(?<![\w@.])"
     + _NAME_TOKEN

@@ -253,8 +253,11 @@ def _postcodes(text: str, hits: list[Hit]) -> None:
 
 
 # -- addresses ---------------------------------------------------------------------------------------
-_CAP = r"[^\W\d_][\w'’.\-]*"
-_CAPW = r"(?:[A-ZÀ-ÖØ-Þ][\w'’.\-]*)"
+# Every quantifier below is bounded (a place name is a few words of at most ~40 characters) and
+# every pattern that can start inside a word is anchored to the word's start: the work per start
+# position is then constant and a scan is linear. An unbounded one was quadratic on one long word
+# (issue 32: a 501 KB record held governance for 352 s).
+_CAPW = r"(?:[A-ZÀ-ÖØ-Þ][\w'’.\-]{0,40})"
 _CITY_TAIL = (
     r"(?:,?\s+(?:[A-Z]{1,2}\d[A-Z\d]?\s?\d[A-Z]{2}|[A-Z]\d[A-Z]\s?\d[A-Z]\d|[A-Z]{1,2}-)?)?"
     r"(?:,\s*(?:\d{2}-\d{3}|\d{4}-\d{3}|\d{4,5}(?:\s[A-Z]{2})?)?\s*" + _CAPW + r"(?:[ \-]" + _CAPW + r")?"
@@ -262,21 +265,18 @@ _CITY_TAIL = (
 )
 _ADDRESS_PATTERNS = [
     # Germanic compounds: "Hauptstraße 12", "Kurfürstendamm 21", "Prinsengracht 263"
-    r"[A-ZÀ-ÖØ-Þ][^\W\d_]{2,}?"
+    r"(?<![^\W\d_])[A-ZÀ-ÖØ-Þ][^\W\d_]{2,40}?"
     + r"(?:stra(?:ß|ss)e|str\.|weg|gasse|allee|platz|damm|ring|gracht|laan|straat|vej|gatan|gata|veien|vei|"
     r"katu|utca|steeg|kade|plein)" + r"\s+\d+[a-zA-Z]?",
     # Romance and Slavic: "12 rue de la Paix", "Calle Mayor 5", "Via Roma 10", "ul. Marszałkowska 84"
-    r"\d+[a-zA-Z]?,?\s+(?:rue|avenue|av\.|boulevard|bd|place|chemin|allée|impasse|quai|cours)\s+(?:(?:de|du|des|la|le|l'|d')\s*)*"
-    + _CAPW
-    + r"(?:\s+"
-    + _CAPW
-    + r")*",
+    r"(?<!\d)\d{1,6}[a-zA-Z]?,?\s+(?:rue|avenue|av\.|boulevard|bd|place|chemin|allée|impasse|quai|cours)\s+"
+    r"(?:(?:de|du|des|la|le|l'|d')\s*){0,3}" + _CAPW + r"(?:\s+" + _CAPW + r"){0,5}",
     r"(?:Calle|C/|Avenida|Avda\.?|Paseo|Plaza|Via|Viale|Piazza|Corso|Largo|Rua|Travessa|Praça|ul\.|ulica|al\.|aleja|Carrer|Rúa)\s+"
-    + r"(?:(?:de|del|da|do|dos|la|di|della)\s+)*"
+    + r"(?:(?:de|del|da|do|dos|la|di|della)\s+){0,3}"
     + _CAPW
     + r"(?:\s+"
     + _CAPW
-    + r")*,?\s+\d+[a-zA-Z]?",
+    + r"){0,5},?\s+\d{1,6}[a-zA-Z]?",
     # English: "221B Baker Street", "77 Queen Street West", "1428 Elm St Apt 3B"
     r"\b\d{1,6}[A-Z]?\s+(?:"
     + _CAPW
@@ -321,8 +321,8 @@ def _dates_of_birth(text: str, hits: list[Hit]) -> None:
 
 # -- e-mail and contact handles ----------------------------------------------------------------------
 _EMAIL = re.compile(
-    r"(?<![\w.+\-])[\w.+\-]*\w@[\w\-]+(?:\.[\w\-]+)+"  # any TLD, ".example" included
-    r"|(?<![\w.+\-])\w[\w.+\-]*\s@\s[\w\-]+(?:\s\.\s[\w\-]+)+"  # "lars @ telia . se"
+    r"(?<![\w.+\-])[\w.+\-]{0,63}\w@[\w\-]+(?:\.[\w\-]+)+"  # any TLD; a local part is <= 64
+    r"|(?<![\w.+\-])\w[\w.+\-]{0,63}\s@\s[\w\-]+(?:\s\.\s[\w\-]+)+"  # "lars @ telia . se"
 )
 _AT = r"(?:\s*[\[({<]\s*at\s*[\])}>]\s*|\s+at\s+|\s+AT\s+|\s*\(@\)\s*)"
 _DOT = r"(?:\s*[\[({<]\s*dot\s*[\])}>]\s*|\s+dot\s+|\s+DOT\s+|\.)"
@@ -331,7 +331,7 @@ _TLD = (
     r"ca|mx|ar|za|ng|ke|tr|gr|cz|fi|hu|ro|kr|tw|vn|id|sa|ae|il|info|biz|dev|ai|app|eu|us)"
 )
 _OBFUSCATED_EMAIL = re.compile(
-    r"(?<![\w.\-])[\w.+\-]+(?:\s+(?:dot|DOT)\s+[\w\-]+)*"
+    r"(?<![\w.+\-])[\w.+\-]{1,64}(?:\s+(?:dot|DOT)\s+[\w\-]{1,64}){0,8}"
     + _AT
     + r"[\w\-]+(?:"
     + _DOT
@@ -345,7 +345,7 @@ _PROFILE_URL = re.compile(
     r"facebook\.com|fb\.com|behance\.net|dribbble\.com|medium\.com/@|t\.me|tiktok\.com/@|youtube\.com/@|"
     r"reddit\.com/u(?:ser)?|keybase\.io|mastodon\.social/@)/?([\w.\-]+)"
 )
-_URL_USERINFO = re.compile(r"\b[a-z][a-z0-9+.\-]*://([^\s:/@]+)(?::([^\s/@]+))?@")
+_URL_USERINFO = re.compile(r"(?<![\w+.\-])[a-z][a-z0-9+.\-]{0,30}://([^\s:/@]+)(?::([^\s/@]+))?@")
 _SKYPE = re.compile(r"\blive:[\w.\-]+")
 
 
@@ -377,7 +377,7 @@ def _contacts(text: str, hits: list[Hit]) -> None:
 
 # -- credentials and keys --------------------------------------------------------------------------
 _KEY_SHAPES = re.compile(
-    r"\b(?:sk-(?:proj-|live-|test-)?[A-Za-z0-9_\-]{16,}|(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}|"
+    r"(?<![\w\-])(?:sk-(?:proj-|live-|test-)?[A-Za-z0-9_\-]{16,}|(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}|"
     r"AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|"
     r"glpat-[A-Za-z0-9_\-]{20}|xox[abposr]-[A-Za-z0-9\-]{10,}|AIza[A-Za-z0-9_\-]{35}|hf_[A-Za-z]{30,}|"
     r"eyJ[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]+|npm_[A-Za-z0-9]{36}|SG\.[\w\-]{16,}\.[\w\-]{16,})"
@@ -388,7 +388,9 @@ _SECRET_ASSIGN = re.compile(
     r"private[_\-]?key|client[_\-]?secret|auth[_\-]?token|token|pin)\w*)"
     r"(?:\s*[\"']?\s*(?:[:=]|=>)\s*|\s+(?:is|was|=)\s+)[\"']?([^\s\"',;)}\]]{4,})"
 )
-_CLI_PASSWORD = re.compile(r"(?:mysql|mysqldump|psql|mongo\w*|redis-cli)\b[^\n]*?\s-p([^\s\-][^\s]{3,})")
+_CLI_PASSWORD = re.compile(
+    r"(?:mysql|mysqldump|psql|mongo\w{0,20}|redis-cli)\b[^\n]{0,200}?\s-p([^\s\-][^\s]{3,})"
+)
 _AUTH_TUPLE = re.compile(r"auth\s*=\s*\(\s*['\"][^'\"]+['\"]\s*,\s*['\"]([^'\"]{4,})['\"]")
 _NOT_SECRET = {
     "required", "incorrect", "invalid", "wrong", "correct", "strong", "weak", "too", "not", "the", "a",
