@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,3 +90,56 @@ def test_corrupt_and_mismatched_checkpoints_are_one_line_errors(tmp_path, tiny_d
     (other / "adaflash.json").write_text(json.dumps(meta))
     r = run("generate", "--target", "tiny", "--drafter", str(other), "--method", "dflash", "--prompt", "x")
     assert r.returncode != 0 and "Traceback" not in r.stderr and "trained for target" in r.stderr
+
+
+# -- issue 32: every command of the README's "The CLI" section that runs on `tiny`, once on a
+# terminal-like console and once piped. `drafter bootstrap` died in its progress bar on both (the
+# "generate" bar has no total) and nothing ran the CLI's progress path. `demo` needs the whole
+# stack (broker, MLflow, governance): `tests/test_stack.py` and `make demo` run it.
+TERMINAL = {"COLUMNS": "100", "FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+CONSOLES = {"terminal": TERMINAL, "piped": {}}
+
+
+def _run_console(args: list[str], console: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (*TERMINAL, "NO_COLOR", "TERM")}
+    env.update(CONSOLES[console])
+    r = subprocess.run(
+        [sys.executable, "-m", "adaflash.cli", *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+    )  # fmt: skip
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
+    return r
+
+
+@pytest.fixture(scope="module", params=list(CONSOLES))
+def bootstrapped(request, tmp_path_factory):
+    """`drafter bootstrap --target tiny` with a few prompts and steps: generation, features,
+    training and the held-out evaluation all run, so every progress bar is drawn."""
+    work = tmp_path_factory.mktemp(f"cli-{request.param}")
+    args = ["drafter", "bootstrap", "--target", "tiny", "--out", str(work / "drafter"), "--steps", "2",
+            "--max-train-prompts", "3", "--eval-per-domain", "1", "--max-new-tokens", "8"]  # fmt: skip
+    r = _run_console(args, request.param, work)
+    if request.param == "terminal":
+        assert "\x1b[" in r.stderr and "length head" in r.stderr  # rich drew its bars
+    else:
+        assert "\x1b[" not in r.stderr and "trained 2 steps" in r.stdout
+    return request.param, work
+
+
+def test_cli_commands_run_on_tiny_on_a_terminal_and_piped(bootstrapped):
+    console, work = bootstrapped
+    drafter = str(work / "drafter")
+    r = _run_console(["drafter", "info", drafter], console, work)
+    assert "block_size" in r.stdout
+    gen = ["generate", "--target", "tiny", "--drafter", drafter, "--method", "adaflash",
+           "--prompt", "hello", "--max-new-tokens", "8"]  # fmt: skip
+    _run_console(gen, console, work)
+    cmp = ["compare", "--target", "tiny", "--drafter", drafter, "--prompts-per-domain", "1",
+           "--max-new-tokens", "8"]  # fmt: skip
+    _run_console(cmp, console, work)
+    adapt = ["adapt", "--target", "tiny", "--drafter", drafter, "--rounds", "1", "--per-round", "4",
+             "--max-new-tokens", "8", "--epochs", "1", "--c1-prompts", "1", "--learners", "osd",
+             "--no-frozen-cost", "--concurrency", "2", "--out", str(work / "adapt"),
+             "--work", str(work / "adapt-work")]  # fmt: skip
+    _run_console(adapt, console, work)
+    assert (work / "adapt" / "results.json").exists()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import sys
 import time
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from adaflash.cli._common import err_console
 
@@ -19,7 +26,9 @@ class BootstrapProgress:
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+            # Not a format string: a bar without a total ("generate": prompts until the budget
+            # ends) has total None, which `{task.total:.0f}` cannot format (issue 32).
+            MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
