@@ -31,6 +31,15 @@ from adaflash.errors import AdaFlashError
 
 Split = Literal["train", "heldout"]
 DOMAINS = ("math", "code", "chat")
+# Production-like sets (`messages` per request, the OpenAI chat shape): code edits, tool calls,
+# text-to-SQL, multi-turn refinement. Benchmarks only (never trained on): the bench serves a set's
+# first part to warm the suffix cache and times the rest.
+MESSAGE_SETS: dict[str, tuple[str, ...]] = {
+    "edit": ("editeval/editeval.jsonl", "nofuneval/nofuneval.jsonl"),
+    "tools": ("bfcl/bfcl.jsonl",),
+    "sql": ("bird_minidev/bird_minidev.jsonl",),
+    "multiturn": ("mt_eval/refinement_multi.jsonl",),
+}
 
 FETCH_HINT = (
     "download the public sets into DATA_DIR/{gsm8k,code_alpaca,mbpp,mt_bench} "
@@ -42,7 +51,39 @@ FETCH_HINT = (
 class Prompt:
     id: str  # stable: "<set>/<index or id>"
     domain: str
-    text: str
+    text: str  # the (last) user message
+    messages: tuple[dict, ...] = ()  # the whole conversation, when the set has one
+
+
+def message_prompts(path: Path, domain: str) -> list[Prompt]:
+    """A JSONL file of `{"id"?, "messages": [{"role", "content"}, ...]}` (the shape of the
+    production-like sets here, and of `adaflash bench --prompts FILE`)."""
+    out = []
+    for i, row in enumerate(_jsonl(path)):
+        msgs = row.get("messages")
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise AdaFlashError(f"{path}:{i + 1}: expected 'messages': a list of {{role, content}} strings")
+        user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
+        out.append(Prompt(str(row.get("id", f"{path.stem}/{i}")), domain, user, tuple(msgs)))
+    return out
+
+
+def message_set(domain: str, data_dir: Path | None = None) -> list[Prompt]:
+    """A production-like set (`MESSAGE_SETS`) in a fixed shuffled order: its requests come from a
+    few sources (tool sets, databases, conversations), so a fixed shuffle makes any first part
+    (the bench's warm-up) and the rest draws from the same mix."""
+    d = Path(data_dir) if data_dir else default_data_dir()
+    if domain not in MESSAGE_SETS:
+        raise AdaFlashError(f"unknown set {domain!r}: choose one of {', '.join(MESSAGE_SETS)}")
+    rows = [p for f in MESSAGE_SETS[domain] for p in message_prompts(_require(d / f), domain)]
+    return sorted(rows, key=lambda p: hashlib.sha1(p.id.encode()).hexdigest())
 
 
 def default_data_dir() -> Path:

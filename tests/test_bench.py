@@ -86,3 +86,31 @@ def test_llamacpp_peer_runs_the_targets_gguf():
     for k in (0, 8):
         row = llamacpp_tps(gguf_path(target), ids, 24, 1, k)
         assert row["output_tokens"] > 0 and row["tps"] > 0 and "quantised" in row["numerics"]
+
+
+def test_bench_prompt_file_warms_the_suffix_cache_through_governance(tiny64, tmp_path):
+    """`--prompts FILE`: the first `warm` prompts are served, governed (real Presidio + GX) and
+    learned; only the rest are timed, and a repeated request finds its tenant's earlier answer."""
+    rows = [
+        {"id": f"t{i}", "messages": [{"role": "system", "content": "Reply with JSON calls."},
+                                     {"role": "user", "content": f"call get_weather for city #{i % 6}"}]}
+        for i in range(12)
+    ]  # fmt: skip
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    spec = BenchSpec(
+        methods=["ar", "suffix", "suffix-nocache"], concurrency=[1], domains=["file"], prompts_file=path,
+        warm=6, min_prompts=6, max_new_tokens=24, hf_baseline=False, llamacpp=False, bounds=False,
+    )  # fmt: skip
+    result = run_bench(tiny64, None, spec, log=lambda s: None)
+    warm = result["warmup"]
+    assert warm["prompts"]["file"] == [f"t{i}" for i in range(6)] and result["prompts"]["file"] == [
+        f"t{i}" for i in range(6, 12)
+    ]
+    assert warm["governed"]["file"]["learned"] == warm["governed"]["file"]["clean"] == 6
+    cells = {c["method"]: c for c in result["cells"]}
+    assert all(c["identical_to_ar"] == 6 for c in cells.values())
+    assert cells["suffix"]["proposers"]["suffix"]["accepted"] > 0
+    assert cells["suffix"]["tau"] > cells["suffix-nocache"]["tau"]
+    files = write_outputs(result, tmp_path / "out")
+    assert all(f.exists() for f in files)

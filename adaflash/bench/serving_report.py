@@ -47,6 +47,7 @@ def markdown(result: dict) -> str:
             f"{_fmt(_ms(i['p50']), 0)}/{_fmt(_ms(i['p95']), 0)}/{_fmt(_ms(i['p99']), 0)} | "
             f"{_fmt(_ms(c['tpot_s']['p50']), 0)} | {c.get('identical_to_ar', '–')}/{c['requests']} |"
         )
+    lines += _fast_learner_lines(result)
     lines += ["", "Acceptance targets:", ""]
     lines += [f"- {line}" for line in targets(result)]
     if result.get("hf_baseline"):
@@ -70,6 +71,39 @@ def markdown(result: dict) -> str:
             f"(idle after load: {s['rss_idle_mb']:.0f} MB; status codes {s['codes']})."
         )
     return "\n".join(lines) + "\n"
+
+
+def _fast_learner_lines(result: dict) -> list[str]:
+    """The suffix cache's warm-up per domain, and per cell the mean-of-runs ratio to AR beside the
+    best run's and who proposed the accepted drafts (how the speed splits between the learners)."""
+    warm = result.get("warmup", {}).get("governed", {})
+    lines = []
+    if warm:
+        lines += [
+            "",
+            "Suffix cache warm-up (served, then governed as the stack does, then learned; not timed):",
+            "",
+        ]
+        lines += [
+            "| domain | served | clean | learned | quarantined | cache tokens |",
+            "|---|---|---|---|---|---|",
+        ]
+        for d, w in warm.items():
+            why = ", ".join(f"{k} {v}" for k, v in w["quarantined"].items()) or "–"
+            lines.append(
+                f"| {d} | {w['served']} | {w['clean']} | {w['learned']} | {why} | {w['cache_tokens']} |"
+            )
+    rows = [c for c in result["cells"] if c.get("speedup_mean_vs_ar") is not None or c.get("proposers")]
+    if rows:
+        lines += ["", "| domain | C | method | speedup, mean of runs | best run | accepted drafts by proposer "
+                  "(rounds) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for c in rows:
+            who = ", ".join(f"{p} {v['accepted']} ({v['rounds']})" for p, v in c.get("proposers", {}).items())
+            lines.append(
+                f"| {c['domain']} | {c['concurrency']} | {c['method']} | {_fmt(c.get('speedup_mean_vs_ar'))}x | "
+                f"{_fmt(c['speedup_vs_ar'])}x | {who} |"
+            )
+    return lines
 
 
 def _peer_lines(result: dict) -> list[str]:

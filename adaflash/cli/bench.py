@@ -35,9 +35,17 @@ def bench(
     target: TargetOpt = "smollm2",
     dtype: DtypeOpt = "float32",
     drafter: Annotated[Path | None, typer.Option(help="drafter directory")] = None,
-    methods: Annotated[str, typer.Option(help="comma-separated")] = "ar,dflash,adaflash",
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated: ar, ngram, suffix, dflash, adaflash, adaflash-cost (M-nocache: cache off)"
+        ),
+    ] = "ar,dflash,adaflash",
     concurrency: Annotated[str, typer.Option(help="comma-separated client counts")] = "1,8,32",
-    domains: Annotated[str, typer.Option(help="math,code,chat,blend")] = "math,code,chat,blend",
+    domains: Annotated[
+        str,
+        typer.Option(help="math,code,chat,blend and/or edit,tools,sql,multiturn (and file with --prompts)"),
+    ] = "math,code,chat,blend",
     max_new_tokens: Annotated[int, typer.Option()] = 64,
     prompts_per_cell: Annotated[int, typer.Option(help="0: max(C, --min-prompts)")] = 0,
     min_prompts: Annotated[int, typer.Option()] = 4,
@@ -57,6 +65,17 @@ def bench(
         int, typer.Option(min=1, help="runs per cell, method order alternating; the fastest is reported")
     ] = 1,
     data_dir: PromptsDirOpt = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option("--prompts", help="JSONL of {messages: [...]}: benchmarked as domain 'file'"),
+    ] = None,
+    warm: Annotated[
+        int,
+        typer.Option(
+            help="first N prompts of each domain served + governed to warm the suffix cache, not timed"
+        ),
+    ] = 48,
+    max_prompt_tokens: Annotated[int, typer.Option(help="leave out longer prompts")] = 1024,
 ) -> None:
     """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
     from adaflash.bench.serving import BenchSpec, run_bench, serve_peak_rss
@@ -76,9 +95,15 @@ def bench(
         bounds=bounds,
         repeats=repeats,
         data_dir=data_dir,
+        prompts_file=prompts,
+        warm=warm,
+        max_prompt_tokens=max_prompt_tokens,
     )
-    if any(m != "ar" for m in spec.methods) and drafter is None:
-        raise InputError("methods other than ar need --drafter DIR")
+    if prompts is not None and "file" not in spec.domains:  # the file alone, unless domains were named
+        spec.domains = ["file"] if domains == "math,code,chat,blend" else [*spec.domains, "file"]
+    model_free = ("ar", "ngram", "suffix")
+    if any(m.removesuffix("-nocache") not in model_free for m in spec.methods) and drafter is None:
+        raise InputError("methods other than ar, ngram and suffix need --drafter DIR")
     tgt, bundle = load(target, drafter, dtype)
     result = run_bench(tgt, bundle, spec, log=log)
     if serve_rss:

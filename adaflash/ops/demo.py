@@ -239,15 +239,73 @@ class Scenario:
             )
         return traffic, [(cfg.focus_domain, t) for t in rest[: cfg.fresh_prompts]]
 
-    def chat(self, tenant: str, dom: str, text: str, consent: bool = True) -> dict:
+    def chat(
+        self,
+        tenant: str,
+        dom: str,
+        text: str,
+        consent: bool = True,
+        method: str | None = None,
+        cache: bool = True,
+    ) -> dict:
         body = {
             "model": "adaflash",
             "messages": [{"role": "user", "content": text}],
             "max_tokens": self.cfg.max_tokens,
             "temperature": 0,
         }
+        if method is not None:
+            body["method"] = method
         headers = {"X-Tenant-Id": tenant, "X-Domain": dom, "X-Feedback-Consent": str(consent).lower()}
+        if not cache:
+            headers["X-Suffix-Cache"] = "off"
         return _http_json(self.base + "/v1/chat/completions", body, headers)
+
+    def fast_learner(self, clean: int) -> dict:
+        """The suffix cache, fed by governance from this demo's traffic: the fresh prompts as a
+        tenant whose history it holds, served by plain AR, by `adaflash-cost` with the cache off
+        (`X-Suffix-Cache: off`) and with it on. Same server, same prompts, one after another."""
+        self.step("5a. the fast learner: fresh prompts as tenant-0, plain AR / cache off / cache on")
+
+        def learned() -> int:
+            return _http_json(self.base + "/health")["suffix_cache"]["added"]
+
+        # Governance published `clean` records (a few have no consent flag set: those are not learned).
+        _wait("the suffix cache to learn the clean records", lambda: learned() >= clean * 0.9, 60)
+        health = _http_json(self.base + "/health")["suffix_cache"]
+        rows = {}
+        for label, method, cache in (("ar", "ar", True), ("cache off", "adaflash-cost", False),
+                                     ("cache on", "adaflash-cost", True)):  # fmt: skip
+            t = time.monotonic()
+            out = [self.chat("tenant-0", d, text, False, method, cache) for d, text in self.fresh]
+            wall = time.monotonic() - t
+            tokens = sum(r["usage"]["completion_tokens"] for r in out)
+            rounds = sum(r["adaflash"]["rounds"] for r in out)
+            rows[label] = {
+                "tps": tokens / wall,
+                "tokens": tokens,
+                "seconds": wall,
+                "tau": tokens / max(rounds, 1),
+                "outputs": [r["choices"][0]["message"]["content"] for r in out],
+            }
+            row = rows[label]
+            self.console.print(
+                f"  {label:9s}: {tokens} tokens in {wall:.1f}s = {row['tps']:.1f} tok/s, τ {row['tau']:.2f}"
+            )
+        same = sum(a == b == c for a, b, c in zip(*(r.pop("outputs") for r in rows.values()), strict=True))
+        on, off, ar = rows["cache on"]["tps"], rows["cache off"]["tps"], rows["ar"]["tps"]
+        self.console.print(
+            f"  cache: {health['responses']} governed responses of {health['tenants']} tenants, "
+            f"{health['tokens']} tokens; cache on / off {on / off:.2f}x, on / AR {on / ar:.2f}x; "
+            f"identical outputs {same}/{len(self.fresh)}"
+        )
+        return {
+            "cache": health,
+            "served": rows,
+            "on_vs_off": on / off,
+            "on_vs_ar": on / ar,
+            "identical": same,
+        }
 
     def traffic(self) -> dict:
         cfg = self.cfg
@@ -557,6 +615,7 @@ class Scenario:
             r["traffic"] = self.traffic()
             planted = self.plant_anomalies()
             r["governance"] = self.governance(r["traffic"]["requests"] + planted)
+            r["fast_learner"] = self.fast_learner(r["governance"]["clean"])
             first = self.serve_fresh(before, f"5b. served by v{before}: fresh prompts, before any training")
             r["pipeline"] = self.pipeline(r["governance"]["clean"])
             after = r["pipeline"]["version"]

@@ -57,7 +57,7 @@ class SuffixProposer:
             return None
         tokens = req.tokens
         best = self._local(req, tokens).propose(tokens, room)
-        if self.cache is not None and self.cache.config.enabled:
+        if self.cache is not None and self.cache.config.enabled and req.use_suffix_cache:
             shared = self.cache.propose(req.tenant_id, tokens, room)
             if shared is not None and (best is None or shared.score > best.score):
                 best = shared
@@ -65,4 +65,7 @@ class SuffixProposer:
 
     def propose(self, req: Request, room: int) -> list[int]:
         d = self.draft(req, room)
+        # The draft's own estimate (the matching occurrences' agreement) travels with the request:
+        # the cost policy prices this round's suffix draft by it (`Proposer._lookup_survival`).
+        req.suffix_probs = d.probs if d is not None else []
         return d.tokens if d is not None else []

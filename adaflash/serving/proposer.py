@@ -101,6 +101,7 @@ class Proposer:
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         # This step's model-free proposals, per proposer and request index (scored in observe).
         self._proposed: dict[str, dict[int, list[int]]] = {}
+        self._suffix_calib = (0.0, 0.0)  # decayed (accepted, estimated) suffix drafts
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
 
@@ -352,9 +353,15 @@ class Proposer:
 
     def _lookup_survival(self, r: Request, name: str, drafts: list[int]) -> list[float]:
         """A model-free proposal's expected acceptance: the proposer's measured conditionals, the
-        first position set to this request's own hit rate with it."""
+        first position set to this request's own hit rate with it. A suffix draft carries its own
+        estimate (how far the matching occurrences agree): that, times the measured ratio of
+        accepted to estimated suffix drafts (`suffix_calibration`), prices it instead — a
+        30-token match that 5 earlier answers continue alike is not a coin flip."""
         if not drafts:
             return []
+        if name == "suffix" and len(r.suffix_probs) >= len(drafts):
+            c = self.suffix_calibration
+            return [min(1.0, p * c) for p in r.suffix_probs[: len(drafts)]]
         stats = self.stats[name]
         first = r.accept_ema.get(name, stats.conditional()[0])
         return scaled(stats.survival(), first)[: len(drafts)]
@@ -460,6 +467,16 @@ class Proposer:
 
     # --- feedback from verification ------------------------------------------------------------
 
+    @property
+    def suffix_calibration(self) -> float:
+        """Accepted / estimated suffix drafts (decayed sums, a prior of 8 drafts at 0.8)."""
+        acc, est = self._suffix_calib
+        return max(0.2, min(1.5, (acc + 6.4) / (est + 8.0)))
+
+    def _calibrate_suffix(self, probs: list[float], tried: int, hits: int) -> None:
+        acc, est = self._suffix_calib
+        self._suffix_calib = (0.99 * acc + hits, 0.99 * est + sum(probs[:tried]))
+
     def observe(self, decoding: list[Request], plan: Plan, accepted: list[int], nxt: list[int]) -> None:
         """Acceptance from this step's verification. A policy request's lookup proposals are
         also scored when they were not the one verified: their drafts are compared with the
@@ -474,12 +491,16 @@ class Proposer:
                 proposal = found.get(i)
                 if p == name:
                     hits = accepted[i]
+                    if name == "suffix":
+                        self._calibrate_suffix(r.suffix_probs, drafted, hits)
                 elif proposal and r.method == "adaflash-cost":
                     lo = int(doff[i])
                     new = plan.drafts[lo : lo + accepted[i]].tolist() + [nxt[i]]
                     tried = min(len(proposal), len(new))
                     hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
                     self.stats[name].observe(tried, hits)
+                    if name == "suffix" and hits < tried:  # its full acceptance is known: hits
+                        self._calibrate_suffix(r.suffix_probs, len(proposal), hits)
                 else:
                     continue
                 hit = float(hits > 0)

@@ -95,6 +95,7 @@ class Request:
     tenant_id: str = "anonymous"
     consent: bool = True
     domain: str | None = None
+    use_suffix_cache: bool = True  # False: no drafts from the tenant's suffix cache (A/B, header)
     sink: Sink | None = None
     # --- state, owned by the engine -------------------------------------------------------
     method: str = "ar"
@@ -120,6 +121,7 @@ class Request:
     accept_ema: dict[str, float] = field(default_factory=dict)
     lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # prompt lookup's n-gram table
     suffix_index: SuffixIndex | None = field(default=None, repr=False)  # suffix decoding's own index
+    suffix_probs: list[float] = field(default_factory=list, repr=False)  # this round's draft estimate
 
     @property
     def finished(self) -> bool:

@@ -11,8 +11,9 @@ server's), response `choices[].token_ids` and an `adaflash` object (τ, mean k̂
 Logprobs (chat `logprobs` + `top_logprobs`, completions `logprobs: k`, up to 20) are the target's
 own log-softmax at each returned token id (one entry per id, before temperature/top-k/top-p).
 Tenant: header `X-Tenant-Id`, else the OpenAI `user` field. Feedback consent: header
-`X-Feedback-Consent: false` opts the request out of training (the record still flows, flagged,
-so governance can count and drop it).
+`X-Feedback-Consent: false` opts the request out of training and out of the suffix cache (the
+record still flows, flagged, so governance can count and drop it). `X-Suffix-Cache: off`: the
+request does not draft from its tenant's suffix cache.
 """
 
 from __future__ import annotations
@@ -311,6 +312,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
     ) -> Request:
         tenant = http.headers.get("x-tenant-id") or body.user or "anonymous"
         consent = http.headers.get("x-feedback-consent", "true").strip().lower() not in ("0", "false", "no")
+        # `X-Suffix-Cache: off`: this request does not draft from its tenant's cache (an A/B of the
+        # fast learner on live traffic; its own prompt and output still can).
+        cache = http.headers.get("x-suffix-cache", "on").strip().lower() not in ("0", "false", "no", "off")
         return Request(
             prompt_ids,
             params,
@@ -319,6 +323,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, feedback=
             tenant_id=tenant,
             consent=consent,
             domain=body.domain or http.headers.get("x-domain"),
+            use_suffix_cache=cache,
         )
 
     def usage(reqs: list[Request]) -> dict:
