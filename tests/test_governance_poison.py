@@ -256,3 +256,39 @@ def test_a_500_kb_single_word_record_is_governed_in_under_2_s(tmp_path, vocab, s
     assert time.perf_counter() - t < 2.0
     (q,) = out.quarantined
     assert "too_large" in [r.code for r in q.reasons] and q.prompt_scrubbed is None
+
+
+def test_a_quarantined_record_does_not_shadow_a_valid_record_with_its_id(tmp_path, vocab, scrubber):
+    """Issue 32: a valid record whose id was first used by a quarantined record was dropped as a
+    duplicate. Only a clean id, or the same bytes again (a redelivery), is a duplicate."""
+    by = load_prompts("train")
+    gen = TrafficGenerator(vocab, [p.text for p in by["math"][:100]], seed=13)
+    gov = Governor(GovernanceConfig(data_dir=tmp_path / "gov", filters=FILTERS), vocab, scrubber)
+    first, second = gen.normal(pii_fraction=0.0), gen.normal(pii_fraction=0.0)
+    bad_first = _record_json(gen) | {"record_id": first.planted.record_id, "block_size": 0}
+    bad_second = {"schema_version": 1, "record_id": second.planted.record_id, "garbage": True}
+    poison = [json.dumps(bad_first).encode(), json.dumps(bad_second).encode()]
+
+    # The poison in one batch, the valid records in the next; then in one batch, poison first.
+    out1 = gov.govern([Message(topics.RAW, 0, 0, None, poison[0])])
+    gov.persist(out1, datetime.now(UTC), None)
+    assert len(out1.quarantined) == 1
+    out2 = gov.govern([Message(topics.RAW, 0, 1, None, first.value)])
+    gov.persist(out2, datetime.now(UTC), None)
+    assert [c.record.record_id for c in out2.clean] == [first.planted.record_id]
+    out3 = gov.govern(
+        [Message(topics.RAW, 0, 2, None, poison[1]), Message(topics.RAW, 0, 3, None, second.value)]
+    )
+    gov.persist(out3, datetime.now(UTC), None)
+    assert [c.record.record_id for c in out3.clean] == [second.planted.record_id]
+    assert len(out3.quarantined) == 1
+    for rid in (first.planted.record_id, second.planted.record_id):
+        assert gov.lineage.record(rid)["status"] == "clean"
+
+    # Redelivered, every one of them is a duplicate: the clean ids and the same poison bytes.
+    again = gov.govern([Message(topics.RAW, 0, i, None, v) for i, v in
+                        enumerate([poison[0], first.value, poison[1], second.value])])  # fmt: skip
+    assert again.n_duplicate == 4 and not again.clean and not again.quarantined
+    # A record re-sent after its id is clean, even changed, stays a duplicate.
+    twin = json.loads(first.value) | {"domain": "code"}
+    assert gov.govern([Message(topics.RAW, 0, 9, None, json.dumps(twin).encode())]).n_duplicate == 1

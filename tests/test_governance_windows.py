@@ -134,3 +134,39 @@ def test_event_time_windows_survive_a_restart_out_of_order(tmp_path, vocab, scru
     msgs = _orders(parts, seed=3)["interleaved"]
     reasons = _govern(tmp_path, "restart", vocab, scrubber, msgs, batch=40, restart_after=2)
     assert reasons["flood"] == 9 and reasons["near_duplicate"] == 6, reasons
+
+
+def _flood_flags(out) -> int:
+    return sum(any(r.code == "flood" for r in q.reasons) for q in out.quarantined)
+
+
+def test_future_created_at_is_quarantined_and_cannot_push_the_filters_clock(
+    tmp_path, vocab, scrubber, base_prompts
+):
+    """Issue 32: a record dated in the future was accepted, and it moved the filters' newest event
+    time forward, so they pruned the windows of real traffic (1,880 → 1,520 of 2,000 flagged), and
+    worse after a restart (the windows were rebuilt back from that future time)."""
+    filters = FilterConfig(flood_window_s=60, flood_max_per_window=10, max_lateness_s=60,
+                           dup_max_similar=100_000)  # fmt: skip
+    cfg = GovernanceConfig(data_dir=tmp_path / "gov", filters=filters, batch_size=2000)
+    now = datetime.now(UTC)
+    gen = TrafficGenerator(vocab, base_prompts, seed=21)
+    future = _at(gen, now + timedelta(days=1), tenant="tenant-01")
+    burst = [_at(gen, now - timedelta(seconds=50) + timedelta(milliseconds=10 * i), tenant="tenant-00")
+             for i in range(600)]  # fmt: skip
+    msgs = [Message(topics.RAW, 0, i, None, r.to_bytes()) for i, r in enumerate([future, *burst])]
+
+    gov = Governor(cfg, vocab, scrubber)
+    out = gov.govern(msgs)
+    gov.persist(out, datetime.now(UTC), None)
+    by_id = {q.record_id: q for q in out.quarantined}
+    assert "future" in [r.code for r in by_id[future.record_id].reasons]
+    assert _flood_flags(out) == 600 - 10  # every record past the first 10 in the window
+    gov.lineage.close()
+
+    # After a restart the windows are rebuilt from real event times, not from the future one.
+    again = Governor(cfg, vocab, scrubber)
+    more = [_at(gen, now - timedelta(seconds=40), tenant="tenant-00") for _ in range(20)]
+    out2 = again.govern([Message(topics.RAW, 0, 1000 + i, None, r.to_bytes()) for i, r in enumerate(more)])
+    assert _flood_flags(out2) == 20
+    again.lineage.close()

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -50,6 +52,12 @@ def minhash(text: str, shingle: int = 3) -> tuple[int, ...]:
     return tuple(int(v) for v in ((_A * h[None, :] + _B) % _PRIME).min(axis=1))
 
 
+def _bounded(ts: float, clock: Callable[[], float], cfg: FilterConfig) -> float:
+    """An event time as far as it may move the newest one: a record cannot push the windows'
+    pruning horizon past governance's own clock (plus the allowed skew) and empty them."""
+    return min(ts, clock() + cfg.max_future_skew_s)
+
+
 @dataclass(frozen=True)
 class FilterConfig:
     flood_window_s: float = 60.0
@@ -60,13 +68,17 @@ class FilterConfig:
         0.5  # estimated from 64 MinHashes; 16 LSH bands of 4 find J=0.75 pairs w.p. 99.8%
     )
     max_lateness_s: float = 7200.0  # how far behind the newest event an event may arrive and count
+    # How far ahead of governance's own clock a record's created_at may be: further is quarantined
+    # as `future`, and no record moves the filters' newest event time past it (issue 32).
+    max_future_skew_s: float = 300.0
 
 
 class FloodFilter:
     """Per-tenant request rate by event time (see the module docstring for the rule)."""
 
-    def __init__(self, cfg: FilterConfig) -> None:
+    def __init__(self, cfg: FilterConfig, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock
         self._events: dict[str, list[tuple[float, str]]] = defaultdict(list)  # sorted (ts, tie)
         self._debt: Counter = Counter()
         self._newest = float("-inf")
@@ -94,7 +106,7 @@ class FloodFilter:
         flagged = own or self._debt[tenant] > 0
         if flagged and not own:
             self._debt[tenant] -= 1
-        self._newest = max(self._newest, ts)
+        self._newest = max(self._newest, _bounded(ts, self.clock, self.cfg))
         self._n += 1
         if self._n % 512 == 0:
             self._prune()
@@ -129,8 +141,9 @@ class NearDuplicateFilter:
 
     BANDS, ROWS = 16, 4
 
-    def __init__(self, cfg: FilterConfig) -> None:
+    def __init__(self, cfg: FilterConfig, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock
         self._bands: list[dict[tuple[int, ...], list[int]]] = [defaultdict(list) for _ in range(self.BANDS)]
         self._events: dict[int, _Sig] = {}
         self._seq = 0
@@ -170,7 +183,7 @@ class NearDuplicateFilter:
         self._events[self._seq] = _Sig(ts, tie, arr, count)
         for band, key in zip(self._bands, keys, strict=True):
             band[key].append(self._seq)
-        self._newest = max(self._newest, ts)
+        self._newest = max(self._newest, _bounded(ts, self.clock, self.cfg))
         if self._seq % 512 == 0:
             self._prune()
         return flagged

@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +74,7 @@ class BatchOutcome:
     pii: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
     offsets: dict[str, list[int]] = field(default_factory=dict)
+    clean_ids: set[str] = field(default_factory=set)  # a second clean record of an id is a duplicate
     timings: Counter = field(default_factory=Counter)  # stage -> seconds (benchmark profile)
 
 
@@ -124,6 +126,10 @@ def _tenant_path_ok(tenant: str) -> bool:
     return 0 < len(tenant) <= 64 and all(c.isalnum() or c in "-_." for c in tenant) and tenant[0] != "."
 
 
+def _sha256(value: bytes) -> str:
+    return hashlib.sha256(value).hexdigest()
+
+
 def _readable(clean: CleanRecord) -> bool:
     """Whether the record reads back from the JSON the buffer stores: what `ingest` will do."""
     try:
@@ -135,8 +141,15 @@ def _readable(clean: CleanRecord) -> bool:
 class Governor:
     """The per-batch logic, independent of Kafka (the service feeds it; tests may too)."""
 
-    def __init__(self, cfg: GovernanceConfig, vocab: Vocabulary, scrubber: PiiScrubber | None = None) -> None:
+    def __init__(
+        self,
+        cfg: GovernanceConfig,
+        vocab: Vocabulary,
+        scrubber: PiiScrubber | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
+        self.clock = clock  # governance's own time: a record's created_at may not run ahead of it
         self.vocab = vocab
         self.scrubber = scrubber or PiiScrubber()
         self.validator = RecordValidator(vocab.tokenizer, vocab.vocab_size, vocab.fingerprint, cfg.limits)
@@ -145,8 +158,8 @@ class Governor:
         removed = self.buffer.remove_orphans(self.lineage.shard_ids())
         if removed:
             log.warning("removed %d orphan shard(s) left by an interrupted batch", len(removed))
-        self.flood = FloodFilter(cfg.filters)
-        self.dups = NearDuplicateFilter(cfg.filters)
+        self.flood = FloodFilter(cfg.filters, clock)
+        self.dups = NearDuplicateFilter(cfg.filters, clock)
         self._rebuild_windows()
 
     def _rebuild_windows(self) -> None:
@@ -154,8 +167,12 @@ class Governor:
         if latest is None:
             return
         f = self.cfg.filters  # late events still count against a window: keep the lateness too
+        ahead = self.clock() + f.max_future_skew_s  # a future date stored before issue 32: not the clock
+        latest = min(latest, ahead)
         horizon = latest - max(f.flood_window_s, f.dup_window_s) - f.max_lateness_s
         for tenant, ts, h in self.lineage.recent(horizon):
+            if ts > ahead:
+                continue
             if tenant is not None and ts >= latest - f.flood_window_s - f.max_lateness_s:
                 self.flood.observe(tenant, ts)
             if h is not None:
@@ -191,16 +208,18 @@ class Governor:
             lo, hi = out.offsets.get(key, [m.offset, m.offset])
             out.offsets[key] = [min(lo, m.offset), max(hi, m.offset)]
         batch = ParsedBatch()
-        ids_in_batch: set[str] = set()
         caps = [over_caps(m.value, self.cfg) for m in messages]
         candidate_ids = [message_id(m, peek=cap is None) for m, cap in zip(messages, caps, strict=True)]
-        known = self.lineage.known([i for i in candidate_ids if i])
+        ids = [i for i in candidate_ids if i]
+        # A duplicate is an id already clean, or the same bytes under an id again (a redelivery).
+        # A quarantined message does not hold its id: a later valid record with it is governed.
+        clean, seen = self.lineage.clean_ids(ids), self.lineage.quarantined_payloads(ids)
         for m, rid, cap in zip(messages, candidate_ids, caps, strict=True):
-            if rid and (rid in known or rid in ids_in_batch):
+            key = (rid, _sha256(m.value))
+            if rid and (rid in clean or key in seen):
                 out.n_duplicate += 1
                 continue
-            if rid:
-                ids_in_batch.add(rid)
+            seen.add(key)
             if cap is not None:
                 batch.unread.append((m, *cap))
                 continue
@@ -268,6 +287,11 @@ class Governor:
             doubt = "; ".join(sorted({*sp.unsure, *so.unsure}))
             reasons.append(QuarantineReason(code="pii_unsure", detail=doubt))
         f = self.cfg.filters
+        ahead = ts - self.clock()
+        if ahead > f.max_future_skew_s:
+            # Not traffic the filters may count: its time would stretch their windows (issue 32).
+            detail = f"created_at is {ahead:.0f}s ahead of governance's clock"
+            return [*reasons, QuarantineReason(code="future", detail=detail)]
         if self.flood.observe(rec.tenant_id, ts, rec.record_id):
             detail = f"> {f.flood_max_per_window} requests per {f.flood_window_s:.0f}s"
             reasons.append(QuarantineReason(code="flood", detail=detail))
@@ -302,9 +326,15 @@ class Governor:
                 out, m, rec.record_id, rec.tenant_id, "retokenize", type(exc).__name__, governed_at
             )
             return
+        if any(r.code == "future" for r in reasons):
+            ts, h = None, None  # never observed by the filters: not rebuilt into them after a restart
         row = RecordRow(
-            rec.record_id, rec.tenant_id, "clean", [], None, m.topic, m.partition, m.offset, ts, h
-        )
+            rec.record_id, rec.tenant_id, "clean", [], None, m.topic, m.partition, m.offset, ts, h,
+            _sha256(m.value),
+        )  # fmt: skip
+        if not reasons and rec.record_id in out.clean_ids:  # the same id clean twice in one batch
+            out.n_duplicate += 1
+            return
         if reasons:
             row.status, row.reasons = "quarantined", [(r.code, r.detail) for r in reasons]
             out.reasons.update({r.code for r in reasons})
@@ -319,6 +349,7 @@ class Governor:
                 self._quarantine_message(out, m, rec.record_id, rec.tenant_id, *why, governed_at)
                 return
             out.clean.append(clean)
+            out.clean_ids.add(rec.record_id)
         out.rows.append(row)
 
     def _route_unparsed(self, m: Message, code: str, detail: str, data: Any, done: list,
@@ -395,8 +426,18 @@ class Governor:
         out.reasons[code] += 1
         out.rows.append(
             RecordRow(
-                rid, tenant, "quarantined", [(code, detail)], None, m.topic, m.partition, m.offset, None, None
-            )
+                rid,
+                tenant,
+                "quarantined",
+                [(code, detail)],
+                None,
+                m.topic,
+                m.partition,
+                m.offset,
+                None,
+                None,
+                _sha256(m.value),
+            )  # fmt: skip
         )
 
     def _scrubbed_record(self, rec: FeedbackRecord, sp, so, keep_tokens: bool) -> FeedbackRecord:

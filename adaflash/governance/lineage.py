@@ -38,6 +38,10 @@ CREATE TABLE IF NOT EXISTS batches (
     n_in INTEGER, n_clean INTEGER, n_quarantined INTEGER, n_duplicate INTEGER,
     reasons TEXT, pii_entities TEXT, seconds REAL
 );
+CREATE TABLE IF NOT EXISTS quarantined_payloads (  -- what makes a quarantined message a duplicate
+    record_id TEXT NOT NULL, sha256 TEXT NOT NULL,   -- its id and the hash of its bytes
+    PRIMARY KEY (record_id, sha256)
+);
 CREATE TABLE IF NOT EXISTS trained_on (       -- shards a version's run consumed (train + held-out)
     shard_id TEXT NOT NULL, model_version TEXT NOT NULL, at TEXT NOT NULL,
     PRIMARY KEY (shard_id, model_version)
@@ -61,6 +65,7 @@ class RecordRow:
     offset: int
     created_at: float | None
     prompt_minhash: tuple[int, ...] | None
+    payload_sha256: str | None = None  # of the message's bytes: a quarantined one's redelivery is a duplicate
 
 
 @dataclass
@@ -101,20 +106,33 @@ class LineageStore:
         self._db.close()
 
     # -- governance writes ------------------------------------------------------------------------
-    def known(self, record_ids: list[str]) -> set[str]:
-        out: set[str] = set()
+    def _in_chunks(self, query: str, record_ids: list[str]) -> Iterator[tuple]:
         for i in range(0, len(record_ids), 500):
             chunk = record_ids[i : i + 500]
-            q = f"SELECT record_id FROM records WHERE record_id IN ({','.join('?' * len(chunk))})"
-            out.update(r[0] for r in self._db.execute(q, chunk))
-        return out
+            yield from self._db.execute(query.format(ids=",".join("?" * len(chunk))), chunk)
+
+    def clean_ids(self, record_ids: list[str]) -> set[str]:
+        """The ids among `record_ids` that some governed record already holds as clean."""
+        q = "SELECT record_id FROM records WHERE status = 'clean' AND record_id IN ({ids})"
+        return {r[0] for r in self._in_chunks(q, record_ids)}
+
+    def quarantined_payloads(self, record_ids: list[str]) -> set[tuple[str, str]]:
+        """(id, sha256 of the bytes) of quarantined messages with these ids."""
+        q = "SELECT record_id, sha256 FROM quarantined_payloads WHERE record_id IN ({ids})"
+        return {(r[0], r[1]) for r in self._in_chunks(q, record_ids)}
 
     def commit_batch(self, audit: BatchAudit, records: list[RecordRow], shards: list[ShardRow]) -> None:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
+            # A quarantined id does not hold its record id against a later valid record (issue 32):
+            # the id's next outcome replaces a quarantined row; a clean row is final.
             db.executemany(
-                "INSERT INTO records VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO records VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(record_id) DO UPDATE SET "
+                "tenant_id=excluded.tenant_id, status=excluded.status, reasons=excluded.reasons, "
+                "shard_id=excluded.shard_id, topic=excluded.topic, partition=excluded.partition, "
+                '"offset"=excluded."offset", batch_id=excluded.batch_id, created_at=excluded.created_at, '
+                "prompt_minhash=excluded.prompt_minhash WHERE records.status = 'quarantined'",
                 [
                     (
                         r.record_id,
@@ -130,6 +148,14 @@ class LineageStore:
                         ",".join(map(str, r.prompt_minhash)) if r.prompt_minhash is not None else None,
                     )
                     for r in records
+                ],
+            )
+            db.executemany(
+                "INSERT OR IGNORE INTO quarantined_payloads VALUES (?,?)",
+                [
+                    (r.record_id, r.payload_sha256)
+                    for r in records
+                    if r.status == "quarantined" and r.payload_sha256
                 ],
             )
             db.executemany(
