@@ -387,3 +387,50 @@ def test_scrubbed_records_stay_trainable_for_smollm2(tmp_path, scrubber, base_pr
         kept += len(r.rounds)
     total = sum(len(json.loads(m.value)["rounds"]) for m in items)
     assert kept > 0.6 * total  # only rounds touching a scrubbed span are dropped
+
+
+def test_a_full_disk_is_a_fault_governance_survives(tmp_path, vocab, scrubber, base_prompts, monkeypatch):
+    """Issue 32: ENOSPC on a shard or the lineage store ended `governance run`. Now the service
+    backs off with the batch it governed, commits no offset for output it could not write, counts
+    the fault, and persists that same batch once space returns (no record governed twice)."""
+    import errno
+
+    from adaflash.governance.buffer import ReplayBuffer
+    from adaflash.governance.lineage import LineageStore
+
+    faults = ["shard", "shard", "lineage"]  # the disk is full for three writes, then space returns
+    real_write, real_commit = ReplayBuffer.write_shard, LineageStore.commit_batch
+
+    def write_shard(self, *a, **kw):
+        if faults and faults[0] == "shard":
+            faults.pop(0)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *a, **kw)
+
+    def commit_batch(self, *a, **kw):
+        if faults and faults[0] == "lineage":
+            faults.pop(0)
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_commit(self, *a, **kw)
+
+    monkeypatch.setattr(ReplayBuffer, "write_shard", write_shard)
+    monkeypatch.setattr(LineageStore, "commit_batch", commit_batch)
+    gen = TrafficGenerator(vocab, base_prompts, seed=31)
+    items = [gen.normal(pii_fraction=0.3) for _ in range(40)]
+    with running_broker(tmp_path / "broker") as broker:
+        produce(broker.bootstrap_servers, topics.RAW, [(m.key, m.value) for m in items])
+        cfg = GovernanceConfig(data_dir=tmp_path / "gov", bootstrap_servers=broker.bootstrap_servers,
+                               batch_size=100, filters=FILTERS)  # fmt: skip
+        svc = GovernanceService(cfg, Governor(cfg, vocab, scrubber))
+        audits = []
+        svc.run(idle_exit_s=6, on_batch=audits.append)  # used to raise OSError / OperationalError
+        assert not faults and svc.disk_full_errors == 3
+        from kafka import TopicPartition
+
+        parts = svc.consumer.assignment() or {TopicPartition(topics.RAW, p) for p in range(4)}
+        committed = sum(svc.consumer.committed(tp) or 0 for tp in parts)
+        svc.close()
+    assert committed == len(items)  # every offset committed once its output was durable
+    assert sum(a.n_in for a in audits) == len(items) and sum(a.n_duplicate for a in audits) == 0
+    ids = [c.record.record_id for c in ReplayBuffer(cfg.buffer_dir).records()]
+    assert sorted(ids) == sorted(m.planted.record_id for m in items)  # each record once, none lost
