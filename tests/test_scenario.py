@@ -47,6 +47,13 @@ def test_demo_scenario_runs_the_whole_loop_on_tiny(tmp_path, tiny32, monkeypatch
         assert gov["reasons"].get(kind, 0) >= 1, (kind, gov["reasons"])
     assert report["traffic"]["pii_prompts"] >= 1 and gov["pii_entities"]
 
+    # The fast learner learned every clean record through the governed stream, and its A/B (plain
+    # AR, cache off, cache on) served the same tokens.
+    fast = report["fast_learner"]
+    assert fast["cache"]["responses"] == gov["clean"] and fast["cache"]["tenants"] == cfg.tenants
+    assert fast["cache"]["last_offsets"] and fast["identical"] == cfg.fresh_prompts
+    assert "5a. the fast learner" in text
+
     new = report["pipeline"]["version"]
     assert new == "2"  # v1 is the bootstrap champion
     # The budget in steps, as the registry recorded it: 30 training records, 2 a step, 6 epochs.
