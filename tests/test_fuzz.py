@@ -287,3 +287,45 @@ def test_governance_accounts_for_every_generated_record(tmp_path):
     gov.persist(out, datetime.now(UTC), None)
     assert out.n_in == len(msgs) == len(out.clean) + len(out.quarantined) + out.n_duplicate
     assert {f"good-{i}" for i in range(20)} <= {c.record.record_id for c in out.clean}
+
+
+def _numeric_paths(node, path=()) -> list[tuple]:
+    """Every number of a record (bools are not numbers here), as a path of keys and indexes."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _numeric_paths(v, (*path, k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _numeric_paths(v, (*path, i))]
+    return [path] if isinstance(node, int | float) and not isinstance(node, bool) else []
+
+
+def _full_record() -> dict:
+    rec = _valid_record()
+    rec["latency"] = {"ttft_ms": 12.5, "e2e_ms": 80.0, "itl_ms": [3.0, 4.5]}
+    rec["rounds"] = [{**r, "a_hat": 0.4} for r in rec["rounds"]]
+    return rec
+
+
+NUMERIC_PATHS = _numeric_paths(_full_record())
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(
+    path=st.sampled_from(NUMERIC_PATHS),
+    literal=st.sampled_from(["1e400", "-1e400", "NaN", "Infinity", "-Infinity"]),
+)
+def test_fuzz_non_finite_numbers_never_pass_as_clean(path, literal):
+    """Issue 32, finding 1, over every numeric field of a raw record: a non-finite number either
+    fails the schema or is caught by governance's finiteness check, never written as clean."""
+    from adaflash.governance.checks import non_finite_fields
+
+    rec = _full_record()
+    node = rec
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = "__MARK__"
+    raw = json.dumps(rec).replace('"__MARK__"', literal).encode()
+    try:
+        parsed = parse_record(raw)
+    except SchemaError:
+        return  # an integer field, or a schema bound: refused at the door
+    assert non_finite_fields(parsed), (path, literal)

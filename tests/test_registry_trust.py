@@ -228,3 +228,22 @@ def test_the_champion_audit_accepts_only_the_newest_valid_record_on_its_own_vers
     # Overrides and rollbacks may serve a version the gate rejected.
     for mode in ("override", "rollback"):
         assert audit_champion("4", {"4": _tags(_rec(1, "4", None, mode), "reject")}).authorised == "4"
+
+
+def test_the_pipelines_baseline_is_the_recorded_champion_not_an_out_of_band_alias(
+    tmp_path, tiny32, mlflow_server
+):
+    """The pipeline's `champion` step copies what the fleet serves: after a raw alias move, the
+    challenger is still measured against the last recorded champion."""
+    from adaflash.components.steps import champion
+
+    uri = mlflow_server.tracking_uri
+    d1, d2 = _drafters(tmp_path, tiny32, 2)
+    with RegistryClient(uri, tiny32.fingerprint, bootstrap_servers=None) as reg:
+        v1 = reg.register(d1, lineage={"n_records": 0})
+        reg.promote(v1, who="ops", reason="first champion")
+        bad = reg.register(d2, lineage={"n_records": 0}, gate=("reject", "not enough evidence"))
+        _raw_alias_move(uri, reg.model_name, bad)
+    got = champion("tiny", uri, str(tmp_path / "bootstrap"), tmp_path / "out")
+    assert got.version == str(v1)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (d1 / "model.safetensors").read_bytes()

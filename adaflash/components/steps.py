@@ -383,8 +383,11 @@ def champion(target: str, tracking_uri: str, fallback_dir: str, out: Path) -> Ch
     import shutil
 
     with _registry(target, tracking_uri) as reg:
-        version = reg.champion() or ""
-        src = reg.download("champion") if version else Path(fallback_dir)
+        # The champion by the promotion records, what the fleet serves: an alias moved outside the
+        # registry client is not the baseline a challenger must beat (issue 32).
+        audit = reg.audit_champion()
+        version = audit.authorised or audit.recorded_version or ""
+        src = reg.download(version) if version else Path(fallback_dir)
     shutil.copytree(src, out, dirs_exist_ok=True)
     return Champion(version, version or f"bootstrap:{fallback_dir}")
 
