@@ -9,15 +9,8 @@ from datetime import UTC, datetime
 import pytest
 
 from adaflash.components.gate import gate
-from adaflash.components.steps import (
-    NotEnoughData,
-    Snapshot,
-    ar_reference,
-    calibration,
-    ingest,
-    prompts_of,
-    shadow_eval,
-)
+from adaflash.components.ingest import NotEnoughData, Snapshot, ingest
+from adaflash.components.steps import ar_reference, calibration, prompts_of, shadow_eval
 from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance, RoundRecord
 from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow

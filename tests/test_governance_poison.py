@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from adaflash.components.steps import ingest
+from adaflash.components.ingest import ingest
 from adaflash.feedback import topics
 from adaflash.feedback.schema import parse_record
 from adaflash.governance.buffer import ReplayBuffer

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from adaflash.components.cluster import GPU_NODE_SELECTOR, GPU_RESOURCE, GPU_TOLERATION, IMAGE
-from adaflash.components.steps import Snapshot
+from adaflash.components.ingest import Snapshot
 from adaflash.components.trainjob import (
     CONTAINER,
     PORT,

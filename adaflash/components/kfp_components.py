@@ -29,7 +29,7 @@ def ingest_op(
     snapshot with lineage."""
     from pathlib import Path
 
-    from adaflash.components.steps import ingest
+    from adaflash.components.ingest import ingest
     from adaflash.training.replay import ReplayWindow
 
     window = ReplayWindow(replay_records, replay_half_life_s, replay_tenant_cap)
@@ -69,7 +69,8 @@ def train_op(
     drafter's context features runs here too)."""
     from pathlib import Path
 
-    from adaflash.components.steps import Snapshot, step_target, train
+    from adaflash.components.ingest import Snapshot
+    from adaflash.components.steps import step_target, train
     from adaflash.training.online import OnlineConfig
 
     cfg = OnlineConfig(loss=loss, epochs=epochs, lr=lr, random_anchors=random_anchors, grad_accum=grad_accum)
@@ -131,7 +132,8 @@ def shadow_eval_op(
     from pathlib import Path
 
     from adaflash.components.gate import GatePolicy
-    from adaflash.components.steps import Snapshot, shadow_gate
+    from adaflash.components.ingest import Snapshot
+    from adaflash.components.steps import shadow_gate
     from adaflash.models.targets import load_target
 
     policy = GatePolicy(min_gain=min_gain, max_domain_regression=max_domain_regression, metric=gate_metric,
@@ -163,7 +165,8 @@ def register_op(
     import json
     from pathlib import Path
 
-    from adaflash.components.steps import Snapshot, register
+    from adaflash.components.ingest import Snapshot
+    from adaflash.components.steps import register
 
     return register(target, tracking_uri, bootstrap_servers, Path(governance_dir), gate_mode, decision,
                     Snapshot.load(Path(snapshot.path)), Path(challenger.path),
