@@ -31,6 +31,7 @@ from adaflash.errors import InputError
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
 from adaflash.serving import verifier
+from adaflash.serving.calibration import calibrate
 from adaflash.serving.config import EngineConfig, StepStats
 from adaflash.serving.proposer import Proposer, ProposerConfig
 from adaflash.serving.proposer import clock as policy_clock
@@ -83,7 +84,7 @@ class Engine(StepLoop):
         # Only `adaflash-cost` reads the cost curves, and it needs a length head; a drafter that
         # arrives later by hot reload starts its curves from the first steps' measurements.
         if c.calibrate and drafter is not None and drafter.length_head is not None:
-            self.proposer.calibrate(self.runner, c.step_token_budget)
+            calibrate(self.proposer, self.runner, c.step_token_budget)
         self._staged: tuple[DrafterBundle, str] | None = None
         self._staged_lock = threading.Lock()
         self.step_observers: list[Callable[[StepStats, Engine], None]] = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -159,50 +158,6 @@ class Proposer:
         batch = PackedBatch.build([Segment(r.slot, 0, t) for r, t in zip(live, committed, strict=True)])
         _, features = runner.forward(batch, tuple(self.bundle.config.target_layer_ids))
         self.extend(features, batch.slot_rows, batch.positions)
-
-    @torch.no_grad()
-    def calibrate(self, runner: PackedRunner, max_rows: int, repeats: int = 3) -> None:
-        """Seed the cost curves with timed forwards on free slots (engine start-up): decode-like
-        rows after a context. Sizes are timed round-robin and the fastest run of each is kept:
-        on a shared machine noise only adds, and drifts hit every size alike."""
-        top = min(max_rows, 512, runner.capacity // 2)
-        ctx = min(256, runner.capacity - top - 1)
-
-        def target(requests: int, width: int) -> None:
-            segments = [Segment(i, ctx, [0] * width) for i in range(requests)]
-            h, _ = runner.forward(PackedBatch.build(segments))
-            self.model.logits(h)
-
-        runner.forward(PackedBatch.build([Segment(0, 0, [0] * (ctx + 1))]))  # context + warm-up
-        cost = self.costs.target
-        # One request's rows (a verify, a prefill), then R requests x w rows each (decode and
-        # verify steps of a batch) at every request level the slots allow.
-        probes = [(partial(cost.set, 1, n), partial(target, 1, n))
-                  for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= top]  # fmt: skip
-        levels = sorted({lv for lv in (4, 16, self.slots) if lv in cost.levels[1:]})  # others interpolate
-        probes += [(partial(cost.set, R, R * w), partial(target, R, w))
-                   for R in levels for w in (1, 2, 4, 8) if R * w <= min(top, 256)]  # fmt: skip
-        if self.bundle is not None:
-            k, H = self.bundle.drafter.block_size, self.model.config.hidden_size
-            for R in sorted({1, min(4, self.slots), min(16, self.slots)}):
-                block = self.model.embed(torch.zeros(R, k, dtype=torch.long))
-                args = (torch.arange(R), torch.full((R,), 16), block)
-                probes.append(
-                    (partial(self.costs.drafter_block.set, R), partial(self.dslots.draft_hidden, *args))
-                )
-            for n in (1, 2, 4, 8, 16, 64):
-                x = torch.zeros(n, H, dtype=self.model.dtype)
-                probes.append((partial(self.costs.drafter_lm.set, n), partial(self._logits, x)))
-        best = [float("inf")] * len(probes)
-        for _ in range(repeats):
-            for j, (_, fn) in enumerate(probes):
-                t0 = clock()
-                fn()
-                best[j] = min(best[j], clock() - t0)
-        for (record, _), seconds in zip(probes, best, strict=True):
-            record(seconds)
-        for curve in (self.costs.target, self.costs.drafter_block, self.costs.drafter_lm):
-            curve.make_monotone()
 
     # --- one step's proposals ------------------------------------------------------------------
 
