@@ -4,7 +4,9 @@ history, with MLflow's transport and not-found errors turned into one-line regis
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +17,7 @@ from adaflash.registry.publisher import EventPublisher
 from adaflash.registry.server import health
 from adaflash.registry.versions import (
     CHAMPION,
+    DRAFTER_ARTIFACT,
     PENDING,
     T_ACTION,
     T_APPROVAL,
@@ -360,3 +363,60 @@ class RegistryReader:
             event_published=False,
             run_id="",
         )
+
+    # -- artifacts ----------------------------------------------------------------------------------------
+    def download(self, ref: str | int = CHAMPION, dst: Path | None = None) -> Path:
+        """The drafter directory of a version or alias, on local disk, ready for `load_drafter_for`.
+
+        Versions are immutable, so a complete earlier download is reused. The copy's
+        `adaflash.json` lineage gets `version` (what serving reports) and `registry` (where it came
+        from); everything else is byte-identical to what was registered.
+        """
+        version = self.resolve(ref)
+        out = Path(dst) if dst is not None else self.download_dir / self.model_name / f"v{version}"
+        if self._downloaded(out, version):
+            return out
+        with self._mlflow(f"download v{version}"):
+            mv = self._model_version(version)
+            # Per-process scratch dir: two processes may fetch the same version at once.
+            tmp = out.parent / f".{out.name}.download-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            if mv.run_id:
+                got = Path(self._client.download_artifacts(mv.run_id, DRAFTER_ARTIFACT, str(tmp)))
+            else:
+                import mlflow.artifacts
+
+                got = Path(mlflow.artifacts.download_artifacts(mv.source, dst_path=str(tmp),
+                                                               tracking_uri=self.tracking_uri))  # fmt: skip
+        meta = json.loads((got / "adaflash.json").read_text())
+        if meta.get("target_fingerprint") != self.target_fingerprint:
+            raise RegistryError(
+                f"{self.model_name} v{version} holds a drafter for target {meta.get('target_fingerprint')}, "
+                f"not {self.target_fingerprint}"
+            )
+        lineage = meta.get("lineage") if isinstance(meta.get("lineage"), dict) else {}
+        lineage["version"] = version
+        lineage["registry"] = {"model_name": self.model_name, "version": version, "source": mv.source,
+                               "tracking_uri": self.tracking_uri}  # fmt: skip
+        meta["lineage"] = lineage
+        (got / "adaflash.json").write_text(json.dumps(meta, indent=2))
+        # Rename into place: a reader (the serving reloader) never sees a half-downloaded drafter.
+        if out.exists() and not self._downloaded(out, version):
+            shutil.rmtree(out)  # another version's or an incomplete copy
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            got.rename(out)
+        except OSError:
+            if not self._downloaded(out, version):  # not just a concurrent download of the same version
+                raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    @staticmethod
+    def _downloaded(out: Path, version: str) -> bool:
+        try:
+            meta = json.loads((out / "adaflash.json").read_text())
+            return meta["lineage"]["registry"]["version"] == version and (out / "model.safetensors").is_file()
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            return False
