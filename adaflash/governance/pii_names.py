@@ -9,6 +9,14 @@ import re
 from functools import lru_cache
 
 from adaflash.governance.pii_spans import Hit
+from adaflash.governance.pii_words import (
+    AMBIGUOUS_NAMES,
+    EXAMPLE_FULL,
+    EXAMPLE_NAMES,
+    NEVER_NAMES,
+    english_words,
+    is_word,
+)
 
 
 @lru_cache(maxsize=1)
@@ -35,44 +43,9 @@ def name_lexicon() -> tuple[frozenset[str], frozenset[str]]:
             for n in v.keys() if isinstance(v, dict) else v:
                 if isinstance(n, str):
                     target.update(p for p in re.split(r"[\s\-]+", n) if len(p) >= 2 and p.isalpha())
-    return frozenset(first - _NEVER_NAMES), frozenset(last - _NEVER_NAMES)
+    return frozenset(first - NEVER_NAMES), frozenset(last - NEVER_NAMES)
 
 
-# Capitalised words that are never a person here: code/tech vocabulary, weekdays, months, TODO markers.
-TECH_WORDS = {
-    "Todo", "TODO", "Fixme", "FIXME", "Java", "JavaScript", "Python", "Ruby", "Rust", "Swift", "Kotlin",
-    "Scala", "Perl", "Julia", "Dart", "Elixir", "Swing", "React", "Angular", "Django", "Flask", "Node",
-    "Spring", "Linux", "Windows", "Excel", "Word", "True", "False", "None", "Null", "String", "Integer",
-    "Float", "Boolean", "Array", "List", "Stack", "Queue", "Product", "Item", "Customer", "Employee",
-    "Student", "User", "Person", "Male", "Female", "Age", "Name", "Hello", "World", "Fibonacci",
-}  # fmt: skip
-_NEVER_NAMES = TECH_WORDS | {
-    "Todo", "TODO", "Fixme", "FIXME", "Xxx", "XXX", "Hack", "HACK", "Note", "NOTE", "Bug", "Java",
-    "Python", "Ruby", "Rust", "Swift", "Kotlin", "Scala", "Perl", "Julia", "Dart", "Elixir", "Go",
-    "List", "Stack", "Queue", "Case", "Page", "Long", "Max", "Min", "Sort", "Key", "Value", "Node",
-    "Map", "Set", "Array", "Table", "Tree", "Graph", "Link", "Test", "Data", "Image", "Color", "Price",
-    "Cash", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday", "January",
-    "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
-    "December", "True", "False", "None", "Null", "String", "Integer", "Float", "Boolean", "Hello",
-    "World", "Will", "Can", "Young", "Green", "White", "Black", "Brown", "Grey", "Gray", "Rose",
-    "Hope", "Faith", "Joy", "Summer", "Winter", "Autumn", "Spring", "Dawn", "Sky", "Star", "Sun",
-    "Moon", "Lane", "Street", "Road", "Hall", "Park", "Church", "King", "Queen", "Prince", "Duke",
-    "Earl", "Lord", "God", "Jesus", "Christ", "English", "French", "German", "Spanish", "Chinese",
-    "Says", "Said", "Mr", "Mrs", "Ms", "Dr", "Prof", "Sir", "The", "And", "But", "For", "With",
-    "From", "Dear", "Thanks", "Regards", "Hi", "Hey", "Class", "Object", "Function", "Method",
-    "Number", "Total", "Sum", "Average", "Mean", "Count", "Index", "Input", "Output", "Print",
-    "Return", "Write", "Read", "Create", "Find", "Given", "Make", "Let", "Use", "Add", "Get", "Run",
-    "Email", "Phone", "Name", "Address", "Author", "Contact", "Date", "Time", "Day", "Week", "Year",
-    "Month", "Hour", "Minute", "Second", "Bill", "Mark", "Grant", "Bob", "Alice", "Eve", "Carol",
-    "Dave", "Mallory", "Trent", "Peggy", "Victor", "Oscar", "Trudy", "Sybil", "Walter", "Wendy",
-}  # fmt: skip
-# Example names of protocol descriptions and test strings: not persons when they stand alone.
-# (Common real first names such as John or David are not here: "David Smith" is a person.)
-EXAMPLE_NAMES = {
-    "Alice", "Bob", "Carol", "Charlie", "Dave", "Eve", "Mallory", "Trent", "Peggy", "Victor", "Walter",
-    "Oscar", "Trudy", "Sybil", "Wendy", "Heidi", "Judy", "Foo", "Bar", "Baz", "Qux",
-}  # fmt: skip
-EXAMPLE_FULL = {"John Doe", "Jane Doe", "Joe Bloggs", "Max Mustermann", "Erika Mustermann", "John Q. Public"}
 _PARTICLES = {
     "de", "da", "do", "dos", "das", "del", "della", "di", "du", "van", "von", "der", "den", "ter",
     "ten", "bin", "binti", "ibn", "al", "el", "la", "le", "y", "e", "zu", "st",
@@ -120,35 +93,6 @@ _NAME_KEYS = re.compile(
 )
 
 
-@lru_cache(maxsize=1)
-def english_words() -> frozenset[str]:
-    """WordNet lemmas shipped with the spaCy model's rule lemmatizer (no download)."""
-    try:
-        import spacy
-
-        from adaflash.governance.pii import SPACY_MODEL
-
-        nlp = spacy.load(SPACY_MODEL, exclude=["tok2vec", "tagger", "parser", "ner", "attribute_ruler"])
-        table = nlp.get_pipe("lemmatizer").lookups.get_table("lemma_index")
-        return frozenset(w for pos in ("noun", "verb", "adj", "adv") for w in table.get(pos, []))
-    except Exception:  # noqa: BLE001 - without the word list, names are judged by the lexicon only
-        return frozenset()
-
-
-def _is_word(tok: str, words: frozenset[str]) -> bool:
-    w = tok.lower()
-    return w in words or (w.endswith("s") and w[:-1] in words) or (w.endswith("ing") and w[:-3] in words)
-
-
-# Common given names and surnames that are also English words. They never count as a name alone,
-# but in a run of capitalised words they score like a known name that is a word ("Mark King",
-# "Carol White": both parts words, both parts names), so such pairs are masked.
-AMBIGUOUS_NAMES = frozenset(
-    {"Mark", "Carol", "Will", "Young", "Green", "White", "Black", "Brown", "Grey", "Gray", "Rose", "Hope",
-     "Faith", "Joy", "Dawn", "King", "Hall", "Lane", "Summer", "Prince", "Duke", "Earl"}
-)  # fmt: skip
-
-
 def name_score(tokens: list[str]) -> float:
     """Sum of per-token 'nameness'; 0 when some token can't be part of a name."""
     first, last = name_lexicon()
@@ -160,10 +104,10 @@ def name_score(tokens: list[str]) -> float:
         if t in AMBIGUOUS_NAMES and len(tokens) > 1:
             total += 0.6
             continue
-        if t in _NEVER_NAMES or t.isupper() and len(t) > 1:
+        if t in NEVER_NAMES or t.isupper() and len(t) > 1:
             return 0.0
         known = t in first or t in last
-        word = _is_word(t, words)
+        word = is_word(t, words)
         score = (0.6 if word else 1.0) if known else (0.0 if word else 0.5)
         if not t.isascii() and not word:
             score = max(score, 0.8)  # "Wiśniewski", "Østergaard": foreign spelling, not an English word
@@ -175,10 +119,10 @@ def name_score(tokens: list[str]) -> float:
 
 def name_like(tok: str) -> bool:
     """Could this capitalised word be part of a name next to a caught one?"""
-    if not tok or not tok[0].isupper() or tok in _NEVER_NAMES or (tok.isupper() and len(tok) > 1):
+    if not tok or not tok[0].isupper() or tok in NEVER_NAMES or (tok.isupper() and len(tok) > 1):
         return False
     first, last = name_lexicon()
-    return tok in first or tok in last or not _is_word(tok, english_words())
+    return tok in first or tok in last or not is_word(tok, english_words())
 
 
 def find_names(text: str, hits: list[Hit]) -> None:
@@ -196,7 +140,7 @@ def find_names(text: str, hits: list[Hit]) -> None:
         while toks and not name_like(toks[-1].split("-")[-1]) and len(toks) > 1:
             e -= len(toks[-1]) + 1
             toks = toks[:-1]
-        if not toks or toks[0] in _NEVER_NAMES:
+        if not toks or toks[0] in NEVER_NAMES:
             continue
         if len(toks) == 1 and toks[0] in EXAMPLE_NAMES:
             continue

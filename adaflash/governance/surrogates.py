@@ -18,6 +18,8 @@ import random
 import re
 import string
 
+from stdnum import luhn
+
 _KEY_PREFIX = re.compile(
     r"^(?:sk-proj-|sk-live-|sk-test-|sk-|(?:sk|rk|pk)_(?:live|test)_|AKIA|ASIA|gh[pousr]_|github_pat_|glpat-|"
     r"xox[abposr]-|AIza|hf_|eyJ|npm_|SG\.)"
@@ -38,16 +40,6 @@ _MONTH_NAMES = [
     "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
     "November", "December",
 ]  # fmt: skip
-
-
-def _luhn_complete(body: str) -> str:
-    total = 0
-    for i, d in enumerate(reversed(body)):
-        n = int(d)
-        if i % 2 == 0:
-            n = n * 2 - 9 if n * 2 > 9 else n * 2
-        total += n
-    return str((10 - total % 10) % 10)
 
 
 # Surrogate names come from one of these locales per record (coherent within the record). They
@@ -217,7 +209,7 @@ class Surrogates:
         if len(digits) < 12:
             return self._shape(value)
         new = [value[digits[0]]] + [self.rng.choice(string.digits) for _ in digits[1:-1]]
-        new.append(_luhn_complete("".join(new)))
+        new.append(luhn.calc_check_digit("".join(new)))
         chars = list(value)
         for i, d in zip(digits, new, strict=True):
             chars[i] = d

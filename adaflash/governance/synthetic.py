@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from stdnum import luhn
+
 from adaflash.feedback.schema import FeedbackRecord, Latency, RoundRecord, SamplingParams
 from adaflash.governance.filters import FilterConfig
 from adaflash.models.targets import Vocabulary
@@ -64,20 +66,10 @@ def phone(rng: random.Random) -> str:
     return rng.choice([f"({a}) {b}-{c}", f"{a}-{b}-{c}", f"+1 {a} {b} {c}", f"{a}.{b}.{c}"])
 
 
-def _luhn_digit(digits: str) -> str:
-    total = 0
-    for i, d in enumerate(reversed(digits)):
-        n = int(d)
-        if i % 2 == 0:
-            n = n * 2 - 9 if n * 2 > 9 else n * 2
-        total += n
-    return str((10 - total % 10) % 10)
-
-
 def credit_card(rng: random.Random) -> str:
     prefix = rng.choice(["4", "51", "52", "55"])
     body = prefix + "".join(rng.choice(string.digits) for _ in range(15 - len(prefix)))
-    num = body + _luhn_digit(body)
+    num = body + luhn.calc_check_digit(body)
     return rng.choice(
         [
             num,
