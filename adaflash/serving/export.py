@@ -10,7 +10,12 @@ makes the copy an external server loads *unmodified*:
 * `model.safetensors` holds exactly the DFlash tensors (`layers.*`, `fc.weight`,
   `hidden_norm.weight`, `norm.weight`). Anything else would be dropped silently by SGLang's
   `load_weights`, so an unexpected tensor is an error here, not a surprise there.
-* `length_head.safetensors` stays a separate file (SGLang ignores it; our engine reads it).
+* `length_head.safetensors` stays a separate file (our engine reads it), and
+  `model.safetensors.index.json` names `model.safetensors` as the only weights file: vLLM (and
+  SGLang's loader, which shares its code) load every `*.safetensors` in the folder otherwise.
+* `--format vllm` adds what vLLM's DFlash loader reads beyond that (`export_vllm.py`): explicit
+  non-causal attention and, for a drafter with a draft vocabulary, `draft_vocab_size`, its own
+  `lm_head.weight` (the target's rows of those tokens) and `d2t` / `t2d`.
 * `adaflash.json` keeps the metadata and records the export (source, registry version, dtype).
 
 The directory is written to a temporary sibling and renamed into place, so a server (or the
@@ -29,7 +34,10 @@ from pathlib import Path
 import torch
 
 from adaflash.errors import CheckpointError, InputError
-from adaflash.models.checkpoint import CONFIG, HEAD_WEIGHTS, META, WEIGHTS, load_drafter
+from adaflash.models.checkpoint import CONFIG, DRAFT_VOCAB, HEAD_WEIGHTS, META, WEIGHTS, load_drafter
+from adaflash.serving import export_vllm
+
+FORMATS = ("dflash", "vllm")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -157,12 +165,19 @@ def export_drafter(
     target_num_layers: int | None = None,
     dtype: str = "float32",
     require_block_size: int | None = None,
+    fmt: str = "dflash",
+    target_dir: Path | str | None = None,
 ) -> Exported:
-    """Write `src` (a drafter directory) to `out` in the form SGLang/vLLM load unmodified."""
+    """Write `src` (a drafter directory) to `out` in the form SGLang/vLLM load unmodified.
+
+    `fmt` vllm with a draft vocabulary needs the target's HF folder (`target_dir`) for the LM head
+    rows the draft's own head is made of."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     src, out = Path(src), Path(out)
     if src.resolve() == out.resolve():
         raise InputError(f"export needs a different output directory than its source ({src})")
@@ -183,12 +198,14 @@ def export_drafter(
     problems = check_dflash_config(cfg, set(state))
     if problems:
         raise CheckpointError(f"drafter {src} cannot be exported for SGLang: {'; '.join(problems)}")
+    if fmt == "vllm":
+        cfg, state = _vllm_parts(src, cfg, state, bundle.draft_vocab, target_dir, dtype)
 
     meta = json.loads((src / META).read_text())
     lineage = meta.get("lineage") if isinstance(meta.get("lineage"), dict) else {}
     version = lineage.get("version")
     meta["export"] = {
-        "format": "dflash",
+        "format": fmt,
         "source": str(src.resolve()),
         "version": version,
         "dtype": dtype,
@@ -201,8 +218,11 @@ def export_drafter(
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    export_vllm.write_index(tmp, state, WEIGHTS)
     if (src / HEAD_WEIGHTS).exists():
-        shutil.copyfile(src / HEAD_WEIGHTS, tmp / HEAD_WEIGHTS)  # our engine's; servers ignore it
+        shutil.copyfile(src / HEAD_WEIGHTS, tmp / HEAD_WEIGHTS)  # our engine's; the index hides it
+    if (src / DRAFT_VOCAB).exists():  # our engine drafts over it; vLLM reads d2t instead
+        shutil.copyfile(src / DRAFT_VOCAB, tmp / DRAFT_VOCAB)
     (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
     if out.exists():
         old = out.parent / f".{out.name}.export-old"
@@ -217,6 +237,22 @@ def export_drafter(
                     None if version is None else str(version))  # fmt: skip
 
 
+def _vllm_parts(src: Path, cfg: dict, state: dict, vocab, target_dir, dtype: str) -> tuple[dict, dict]:
+    """The config and tensors of a vLLM export (`export_vllm` says what vLLM reads and why)."""
+    extra = {}
+    if vocab is not None:
+        if target_dir is None:
+            raise InputError(f"drafter {src} drafts over its own vocabulary: --format vllm needs --target")
+        lm_head = export_vllm.target_lm_head(target_dir)
+        extra = export_vllm.draft_vocab_tensors(vocab, lm_head, DTYPES[dtype])
+    cfg = export_vllm.vllm_config(cfg, None if vocab is None else len(vocab))
+    state = {**state, **extra}
+    problems = export_vllm.check_vllm_export(cfg, state)
+    if problems:
+        raise CheckpointError(f"drafter {src} cannot be exported for vLLM: {'; '.join(problems)}")
+    return cfg, state
+
+
 def export_from_registry(
     tracking_uri: str,
     target: str,
@@ -225,6 +261,7 @@ def export_from_registry(
     *,
     dtype: str = "float32",
     require_block_size: int | None = None,
+    fmt: str = "dflash",
 ) -> Exported:
     """Download version/alias `ref` of `target`'s drafter from MLflow and export it to `out`."""
     import tempfile
@@ -241,7 +278,16 @@ def export_from_registry(
             src = client.download(version, Path(scratch) / f"v{version}")
             return export_drafter(src, out, target_fingerprint=vocab.fingerprint,
                                   target_vocab_size=vocab.vocab_size, dtype=dtype,
-                                  require_block_size=require_block_size)  # fmt: skip
+                                  require_block_size=require_block_size, fmt=fmt,
+                                  target_dir=target_dir_or_none(target))  # fmt: skip
+
+
+def target_dir_or_none(target: str) -> str | None:
+    """The target's HF folder where it has one (the tiny test target has none)."""
+    try:
+        return target_model_path(target)
+    except InputError:
+        return None
 
 
 # -- SGLang ------------------------------------------------------------------------------------------
