@@ -40,49 +40,112 @@ def _unauthorized(msg: str) -> JSONResponse:
     return JSONResponse({"error": {"message": msg, "type": "authentication_error"}}, status_code=401)
 
 
+@dataclass
+class Exchange:
+    """One proxied request as the gateway saw it, for its feedback record."""
+
+    body: dict
+    chat: bool
+    tenant: str
+    consent: bool
+    t0: float  # perf_counter when it was forwarded
+
+
+def feedback_record(vocab: Vocabulary, settings: GatewaySettings, ex: Exchange, output: str,
+                    upstream_meta: dict, t_first: float | None) -> FeedbackRecord:  # fmt: skip
+    """The record of one finished exchange: the prompt through the target's tokenizer (and chat
+    template), the output's token ids as the upstream reported them or re-encoded from its text."""
+    tok, body = vocab.tokenizer, ex.body
+    if ex.chat:
+        msgs = [ChatMessage(**m) for m in body.get("messages", [])]
+        prompt_ids = chat_prompt_ids(tok, msgs)
+    else:
+        prompt_ids = tok.encode(str(body.get("prompt", "")))
+    out_ids = upstream_meta.get("token_ids") or tok.encode(output)
+    now = time.perf_counter()
+    meta = upstream_meta.get("adaflash") or {}
+    return FeedbackRecord(
+        request_id=upstream_meta.get("id") or uuid.uuid4().hex,
+        tenant_id=ex.tenant,
+        consent=ex.consent,
+        domain=body.get("metadata", {}).get("domain") if isinstance(body.get("metadata"), dict) else None,
+        target_fingerprint=vocab.fingerprint,
+        drafter_version=meta.get("drafter_version") or settings.drafter_version,
+        method=settings.method,
+        block_size=settings.block_size,
+        sampling=SamplingParams(
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
+            seed=body.get("seed"),
+        ),
+        prompt_text=tok.decode(prompt_ids),
+        output_text=tok.decode(out_ids),
+        prompt_token_ids=prompt_ids,
+        output_token_ids=out_ids,
+        latency=Latency(ttft_ms=((t_first or now) - ex.t0) * 1e3, e2e_ms=(now - ex.t0) * 1e3),
+        finish_reason=upstream_meta.get("finish_reason") or "stop",
+    )
+
+
+def response_output(parsed: dict, chat: bool) -> tuple[str, dict]:
+    """A plain JSON response's first choice: its text and what the record takes from it."""
+    choice = parsed["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    meta = {
+        "id": parsed.get("id"),
+        "token_ids": choice.get("token_ids"),
+        "finish_reason": choice.get("finish_reason"),
+        "adaflash": parsed.get("adaflash"),
+    }
+    return text or "", meta
+
+
+class StreamOutput:
+    """A streamed response's text, token ids and metadata, gathered from its server-sent events
+    as the bytes pass through (split anywhere: a partial event waits for the next bytes)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.meta: dict = {}
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        *events, self._buf = self._buf.split(b"\n\n")
+        for ev in events:
+            line = ev.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            part = json.loads(line[5:])
+            meta = self.meta
+            meta["id"] = meta.get("id") or part.get("id")
+            meta["adaflash"] = part.get("adaflash") or meta.get("adaflash")
+            for c in part.get("choices", []):
+                delta = c.get("delta", {}).get("content") if self.chat else c.get("text")
+                self.text.append(delta or "")
+                self.ids.extend(c.get("token_ids") or [])
+                meta["finish_reason"] = c.get("finish_reason") or meta.get("finish_reason")
+
+    def output(self) -> tuple[str, dict]:
+        self.meta["token_ids"] = self.ids or None
+        return "".join(self.text), self.meta
+
+
 def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAPI:
     """`send(record)` queues a FeedbackRecord (a `FeedbackProducer.send`)."""
     app = FastAPI(title="AdaFlash feedback gateway")
     client = httpx.AsyncClient(base_url=settings.upstream.rstrip("/"), timeout=settings.timeout_s)
-    tok = vocab.tokenizer
 
     def tenant_of(req: Request) -> str | None:
         auth = req.headers.get("authorization", "")
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         return settings.api_keys.get(key)
 
-    def record(body: dict, chat: bool, output: str, upstream_meta: dict, tenant: str, consent: bool,
-               t0: float, t_first: float | None) -> FeedbackRecord:  # fmt: skip
-        if chat:
-            msgs = [ChatMessage(**m) for m in body.get("messages", [])]
-            prompt_ids = chat_prompt_ids(tok, msgs)
-        else:
-            prompt_ids = tok.encode(str(body.get("prompt", "")))
-        out_ids = upstream_meta.get("token_ids") or tok.encode(output)
-        now = time.perf_counter()
-        meta = upstream_meta.get("adaflash") or {}
-        return FeedbackRecord(
-            request_id=upstream_meta.get("id") or uuid.uuid4().hex,
-            tenant_id=tenant,
-            consent=consent,
-            domain=body.get("metadata", {}).get("domain") if isinstance(body.get("metadata"), dict) else None,
-            target_fingerprint=vocab.fingerprint,
-            drafter_version=meta.get("drafter_version") or settings.drafter_version,
-            method=settings.method,
-            block_size=settings.block_size,
-            sampling=SamplingParams(
-                temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)),
-                max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
-                seed=body.get("seed"),
-            ),
-            prompt_text=tok.decode(prompt_ids),
-            output_text=tok.decode(out_ids),
-            prompt_token_ids=prompt_ids,
-            output_token_ids=out_ids,
-            latency=Latency(ttft_ms=((t_first or now) - t0) * 1e3, e2e_ms=(now - t0) * 1e3),
-            finish_reason=upstream_meta.get("finish_reason") or "stop",
-        )
+    def finished(ex: Exchange, text: str, meta: dict, t_first: float | None) -> None:
+        send(feedback_record(vocab, settings, ex, text, meta, t_first))
 
     async def proxy(req: Request, path: str, chat: bool) -> Response:
         tenant = tenant_of(req)
@@ -97,50 +160,27 @@ def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAP
             )
         consent = req.headers.get("x-feedback-consent", "true").lower() != "false"
         headers = {"content-type": "application/json", "x-tenant-id": tenant}
-        t0 = time.perf_counter()
+        ex = Exchange(body, chat, tenant, consent, time.perf_counter())
         upstream = client.build_request("POST", path, content=raw, headers=headers)
         resp = await client.send(upstream, stream=True)
         if not body.get("stream"):
             data = await resp.aread()
             await resp.aclose()
             if resp.status_code == 200:
-                parsed = json.loads(data)
-                choice = parsed["choices"][0]
-                text = choice["message"]["content"] if chat else choice["text"]
-                meta = {
-                    "id": parsed.get("id"),
-                    "token_ids": choice.get("token_ids"),
-                    "finish_reason": choice.get("finish_reason"),
-                    "adaflash": parsed.get("adaflash"),
-                }
-                send(record(body, chat, text or "", meta, tenant, consent, t0, None))
+                finished(ex, *response_output(json.loads(data), chat), None)
             return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
         async def relay() -> AsyncIterator[bytes]:
-            text, ids, meta, t_first, buf = [], [], {}, None, b""
+            out, t_first = StreamOutput(chat), None
             try:
                 async for chunk in resp.aiter_raw():
                     t_first = t_first or time.perf_counter()
                     yield chunk  # unchanged, as it arrives
-                    buf += chunk
-                    *events, buf = buf.split(b"\n\n")
-                    for ev in events:
-                        line = ev.strip()
-                        if not line.startswith(b"data:") or line == b"data: [DONE]":
-                            continue
-                        part = json.loads(line[5:])
-                        meta["id"] = meta.get("id") or part.get("id")
-                        meta["adaflash"] = part.get("adaflash") or meta.get("adaflash")
-                        for c in part.get("choices", []):
-                            delta = c.get("delta", {}).get("content") if chat else c.get("text")
-                            text.append(delta or "")
-                            ids.extend(c.get("token_ids") or [])
-                            meta["finish_reason"] = c.get("finish_reason") or meta.get("finish_reason")
+                    out.feed(chunk)
             finally:
                 await resp.aclose()
             if resp.status_code == 200:
-                meta["token_ids"] = ids or None
-                send(record(body, chat, "".join(text), meta, tenant, consent, t0, t_first))
+                finished(ex, *out.output(), t_first)
 
         return StreamingResponse(
             relay(), status_code=resp.status_code, media_type=resp.headers.get("content-type")
