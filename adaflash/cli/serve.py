@@ -164,11 +164,25 @@ def gateway(
 def fleet_run(
     config: Annotated[Path, typer.Option(help="fleet YAML (see manifests/base/fleet-controller.yaml)")],
     health_port: Annotated[int, typer.Option(help="GET /healthz for probes")] = 8081,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="also run this engine here: vllm (from .venv-vllm, `make vllm`) on --engine-port"),
+    ] = None,
+    engine_port: Annotated[
+        int, typer.Option(help="the local engine's stable port (the gateway's upstream)")
+    ] = 8000,
+    engine_method: Annotated[
+        str, typer.Option(help="vllm: dflash (the champion) | ngram | suffix | ar")
+    ] = "dflash",
 ) -> None:
-    """Follow adaflash.drafter.events; reload engines / roll SGLang on every champion change."""
+    """Follow adaflash.drafter.events; reload engines / roll SGLang / roll vLLM on every champion change."""
+    from adaflash.serving.fleet import Backend
     from adaflash.serving.launch import fleet_controller
 
-    fleet_controller(config, health_port, log=err_console.print)
+    if engine not in (None, "vllm"):  # SGLang runs as a Deployment: a sglang-deployment backend in --config
+        raise InputError(f"--engine {engine!r}: only vllm runs as a local process")
+    extra = (Backend("vllm-process", port=engine_port, method=engine_method),) if engine == "vllm" else ()
+    fleet_controller(config, health_port, log=err_console.print, extra=extra)
 
 
 @sglang_app.command("launch-args")

@@ -11,11 +11,16 @@ in its config:
                       rolling restart whose init container exports the new champion. (SGLang's
                       DFlash worker routes weight updates to the target model, not the draft
                       model, so an in-place update is not used.)
+  vllm-process        a local vLLM replica set behind a stable front port (`vllm_fleet.py`):
+                      export the version for vLLM, start a second server with it, switch the
+                      front, stop the old one (on CPU there is no runtime draft-weight update:
+                      vLLM moves draft weights over NCCL only)
 
 Config (YAML), as in manifests/base/fleet-controller.yaml:
     tracking_uri, bootstrap_servers, target, drafter_dir (engine backends),
     backends: [{kind: adaflash-engine, url, token_env}, {kind: sglang-deployment, namespace,
-               deployment, annotation, api_server?, token_file?, ca_file?}]
+               deployment, annotation, api_server?, token_file?, ca_file?},
+               {kind: vllm-process, port, model_path?, venv?, method?}]
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ class Backend:
     api_server: str = "https://kubernetes.default.svc"
     token_file: str = str(SA_DIR / "token")
     ca_file: str | None = str(SA_DIR / "ca.crt")
+    port: int = 8000  # vllm-process: the stable front port (put the gateway in front of it)
+    model_path: str | None = None  # vllm-process: the target's HF folder (default: the target's)
+    venv: str | None = None  # vllm-process: vLLM's virtualenv (default .venv-vllm)
+    method: str = "dflash"  # vllm-process: dflash with the champion; ngram | suffix | ar without it
+
+
+KINDS = ("adaflash-engine", "sglang-deployment", "vllm-process")
 
 
 @dataclass
@@ -69,11 +81,9 @@ class FleetConfig:
             cfg = cls(**raw, backends=backends)
         except (OSError, yaml.YAMLError, TypeError) as e:
             raise AdaFlashError(f"bad fleet config {path}: {e}") from None
-        unknown = [b.kind for b in backends if b.kind not in ("adaflash-engine", "sglang-deployment")]
+        unknown = [b.kind for b in backends if b.kind not in KINDS]
         if unknown:
-            raise AdaFlashError(
-                f"unknown backend kind(s) {unknown}: use adaflash-engine or sglang-deployment"
-            )
+            raise AdaFlashError(f"unknown backend kind(s) {unknown}: use {', '.join(KINDS)}")
         return cfg
 
 
@@ -88,16 +98,19 @@ class FleetController:
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.applied: list[tuple[str, str, str]] = []  # (backend, version, outcome)
+        self.vllm: dict[int, object] = {}  # front port -> VllmReplicas
 
     def apply(self, event: DrafterEvent) -> str:
         """Make `event.version` live everywhere; raises if any backend failed (after trying all)."""
         errors = []
         for b in self.cfg.backends:
             try:
-                (self._engine if b.kind == "adaflash-engine" else self._sglang)(b, event)
-                self.applied.append((b.url or f"{b.namespace}/{b.deployment}", event.version, "ok"))
+                {"adaflash-engine": self._engine, "vllm-process": self._vllm}.get(b.kind, self._sglang)(
+                    b, event
+                )
+                self.applied.append((_name(b), event.version, "ok"))
             except Exception as e:  # noqa: BLE001 - one backend's failure must not skip the others
-                self.applied.append((b.url or f"{b.namespace}/{b.deployment}", event.version, f"failed: {e}"))
+                self.applied.append((_name(b), event.version, f"failed: {e}"))
                 errors.append(f"{b.kind}: {e}")
         if errors:
             raise AdaFlashError("; ".join(errors))
@@ -119,6 +132,28 @@ class FleetController:
             {"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
         )
 
+    def _vllm(self, b: Backend, event: DrafterEvent) -> None:
+        from adaflash.registry.client import RegistryClient
+        from adaflash.serving.export import target_model_path
+        from adaflash.serving.vllm_engine import vllm_python
+        from adaflash.serving.vllm_fleet import Front, VllmReplicas
+
+        replicas = self.vllm.get(b.port)
+        if replicas is None:
+            replicas = VllmReplicas(b.model_path or target_model_path(self.cfg.target),
+                                    Path(self.cfg.drafter_dir), str(vllm_python(b.venv)),
+                                    Front("0.0.0.0", b.port), method=b.method)  # fmt: skip
+            self.vllm[b.port] = replicas
+        with RegistryClient(self.cfg.tracking_uri, self.fingerprint) as reg:
+            path = reg.download(event.version, Path(self.cfg.drafter_dir) / f"v{event.version}")
+        sw = replicas.apply(event.version, path)
+        log.info("vllm :%d now serves v%s (%s): %s", b.port, event.version, sw.method, sw)
+
+    def close(self) -> None:
+        """Stop the vLLM servers this controller started."""
+        for replicas in self.vllm.values():
+            replicas.stop()
+
     def _sglang(self, b: Backend, event: DrafterEvent) -> None:
         token = Path(b.token_file).read_text().strip()
         context = None
@@ -134,6 +169,12 @@ class FleetController:
             {"Content-Type": "application/strategic-merge-patch+json", "Authorization": f"Bearer {token}"},
             context,
         )
+
+
+def _name(b: Backend) -> str:
+    if b.kind == "vllm-process":
+        return f"vllm:{b.port}"
+    return b.url or f"{b.namespace}/{b.deployment}"
 
 
 def serve_health(port: int, controller: FleetController) -> HTTPServer:

@@ -162,8 +162,9 @@ def gateway(settings, target: str, bootstrap_servers: str, spool_dir: Path, host
         producer.close()
 
 
-def fleet_controller(config: Path, health_port: int, log: Log) -> None:
-    """Follow adaflash.drafter.events and make every champion change live on the fleet, forever."""
+def fleet_controller(config: Path, health_port: int, log: Log, extra: tuple = ()) -> None:
+    """Follow adaflash.drafter.events and make every champion change live on the fleet, forever.
+    `extra`: backends beside the config's (`fleet run --engine vllm`)."""
     import time
 
     from adaflash.models.targets import load_vocabulary
@@ -171,6 +172,7 @@ def fleet_controller(config: Path, health_port: int, log: Log) -> None:
     from adaflash.serving.fleet import FleetConfig, FleetController, serve_health
 
     cfg = FleetConfig.load(config)
+    cfg.backends += list(extra)
     fingerprint = load_vocabulary(cfg.target).fingerprint
     controller = FleetController(cfg, fingerprint)
     serve_health(health_port, controller)
@@ -184,3 +186,4 @@ def fleet_controller(config: Path, health_port: int, log: Log) -> None:
             time.sleep(3600)
     finally:
         follower.stop()
+        controller.close()
