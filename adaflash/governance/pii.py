@@ -27,6 +27,7 @@ import re
 from dataclasses import replace as _replace
 
 from adaflash.errors import AdaFlashError
+from adaflash.governance.pii_guard import keep, protected
 from adaflash.governance.pii_spans import ScrubResult, Span, merge_spans, replace_spans
 from adaflash.governance.pii_words import SPACY_MODEL
 
@@ -371,6 +372,7 @@ class PiiScrubber:
         )
         out = []
         for text, found in zip(texts, results, strict=True):
+            regions = protected(text)
             first: list[Span] = []
             for r in found:
                 if r.entity_type == "LOCATION":
@@ -383,7 +385,7 @@ class PiiScrubber:
             unsure: list[str] = []
             second: list[Span] = []
             if self.second_pass:
-                sp = second_pass(text)
+                sp = second_pass(text, regions)
                 # spaCy's places veto the name lists ("San Francisco" is not a person).
                 places = [(r.start, r.end) for r in found if r.entity_type == "LOCATION"]
                 for h in sp.hits:
@@ -396,7 +398,8 @@ class PiiScrubber:
                     if not _drop_false_positive(span.entity, text[span.start : span.end], text, strict=False):
                         second.append(span)
                 unsure = sp.unsure
-            out.append((merge_spans(first + second), unsure))
+            kept = [s for s in first + second if keep(s, text, regions)]
+            out.append((merge_spans(kept), unsure))
         return out
 
     def scrub(self, texts: list[str], groups: list | None = None) -> list[ScrubResult]:

@@ -26,6 +26,7 @@ import re
 from collections import Counter
 from functools import lru_cache
 
+from adaflash.governance.pii_guard import overlaps, protected
 from adaflash.governance.pii_names import find_names
 from adaflash.governance.pii_spans import Hit, SecondPass
 
@@ -183,7 +184,7 @@ def _phone_like(s: str) -> bool:
     return False
 
 
-def _identifiers(text: str, hits: list[Hit], unsure: list[str]) -> None:
+def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -> None:
     for m in _DIGIT_RUN.finditer(text):
         s, e = m.start(), m.end()
         tok = text[s:e].rstrip(" -./(")
@@ -194,7 +195,7 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str]) -> None:
         if lead:
             s, tok = s + lead.end(), tok[lead.end() :]
         d = _digits(tok)
-        if len(d) < 5 or _NUMBER_LIKE.match(tok) or "\n" in tok:
+        if len(d) < 5 or _NUMBER_LIKE.match(tok) or "\n" in tok or overlaps(s, e, regions):
             continue
         quantity = len(set(d)) <= 2 or d.endswith("0000")  # 331000000, 9999999999: not an identifier
         if quantity:
@@ -356,6 +357,8 @@ def _contacts(text: str, hits: list[Hit]) -> None:
         hits.append(Hit(m.start(), m.end(), "EMAIL_ADDRESS"))
     for m in _PROFILE_URL.finditer(text):
         user = m.group(1)
+        if re.match(r"/[\w.\-]+\s+v\d", text[m.end() : m.end() + 80]):  # a Go module path, not a profile
+            continue
         if user and user.lower() not in {
             "login",
             "about",
@@ -423,7 +426,7 @@ def _classes(s: str) -> int:
     return sum((any(c.islower() for c in s), any(c.isupper() for c in s), any(c.isdigit() for c in s)))
 
 
-def _credentials(text: str, hits: list[Hit], unsure: list[str]) -> None:
+def _credentials(text: str, hits: list[Hit], unsure: list[str], regions: list) -> None:
     for m in _KEY_SHAPES.finditer(text):
         hits.append(Hit(m.start(), m.end(), "CREDENTIAL"))
     for m in _PEM.finditer(text):
@@ -445,7 +448,7 @@ def _credentials(text: str, hits: list[Hit], unsure: list[str]) -> None:
         hits.append(Hit(m.start(1), m.start(1) + len(v), "CREDENTIAL"))
     for m in _ENTROPY_TOKEN.finditer(text):
         tok = m.group(0)
-        if _classes(tok) < 3:
+        if _classes(tok) < 3 or overlaps(m.start(), m.end(), regions):
             continue
         ent = shannon_entropy(tok)
         if len(tok) >= 20 and ent >= 3.5 and not re.fullmatch(r"[A-Za-z]+(?:[_\-][A-Za-z]+)*\d*", tok):
@@ -454,12 +457,14 @@ def _credentials(text: str, hits: list[Hit], unsure: list[str]) -> None:
             unsure.append("high-entropy token of key-like shape")
 
 
-def second_pass(text: str) -> SecondPass:
+def second_pass(text: str, regions: list[tuple[int, int]] | None = None) -> SecondPass:
+    """`regions`: what must never be touched (`pii_guard.protected`); doubts inside them are none."""
+    regions = protected(text) if regions is None else regions
     hits: list[Hit] = []
     unsure: list[str] = []
     _contacts(text, hits)
-    _credentials(text, hits, unsure)
-    _identifiers(text, hits, unsure)
+    _credentials(text, hits, unsure, regions)
+    _identifiers(text, hits, unsure, regions)
     _postcodes(text, hits)
     _addresses(text, hits)
     _dates_of_birth(text, hits)
