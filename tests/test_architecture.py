@@ -1,6 +1,11 @@
 """The intended import directions (ARCHITECTURE.md, DESIGN §3) hold, by parsing every import in
-the package, lazy ones inside functions included; and every room and module ARCHITECTURE.md names
-exists."""
+the package, lazy ones inside functions included; no two modules of a room import each other, even
+through others; and every room and module ARCHITECTURE.md names exists.
+
+Every import counts: at the top of a module, inside a function (a lazy import still ties the two
+modules; it only hides the tie until that line runs) and under `if TYPE_CHECKING:` (the module's
+annotations still speak of the other's types). A circle is opened by moving the shared name to the
+floor or to a module both import, or by a Protocol, never by making an import lazy."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "adaflash"
 # Modules at the package's first level that are not rooms: importable by every room, and they
 # import no room themselves. ("adaflash" itself is the package root: its __version__.)
-FLOOR = {"adaflash", "errors", "procs", "workloads", "reporting"}
+FLOOR = {"adaflash", "errors", "paths", "procs", "workloads", "reporting"}
 ROOMS = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
 
 # room -> the rooms it may import (the floor always allowed). None: anything.
@@ -107,22 +112,88 @@ def test_the_named_directions():
             assert not deps & top, (room, deps & top)
 
 
-def test_no_import_cycles_between_rooms():
-    graph = {k: v - FLOOR for k, v in _graph().items()}
-    state: dict[str, int] = {}
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (node -> what it imports) as a path that ends where it starts,
+    or None when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
-    def visit(node: str, path: list[str]) -> None:
+    def visit(node: str, path: list[str]) -> list[str] | None:
         if state.get(node) == 1:
-            raise AssertionError("import cycle: " + " -> ".join([*path, node]))
+            return [*path[path.index(node) :], node]
         if state.get(node) == 2:
-            return
+            return None
         state[node] = 1
         for dep in sorted(graph.get(node, ())):
-            visit(dep, [*path, node])
+            if found := visit(dep, [*path, node]):
+                return found
         state[node] = 2
+        return None
 
     for node in sorted(graph):
-        visit(node, [])
+        if found := visit(node, []):
+            return found
+    return None
+
+
+def test_no_import_cycles_between_rooms():
+    cycle = _cycle({k: v - FLOOR for k, v in _graph().items()})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _module_name(path: Path, pkg: Path) -> str:
+    """adaflash/serving/engine.py -> adaflash.serving.engine; models/__init__.py -> adaflash.models."""
+    parts = path.relative_to(pkg.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """module -> the modules of the same room it imports, wherever the import stands (top level,
+    a function, `if TYPE_CHECKING:`). `from adaflash.models import rowwise` imports the module
+    `rowwise`; `from adaflash.models import X` of a name the package defines imports its `__init__`."""
+    files = {_module_name(f, pkg): f for f in pkg.rglob("*.py")}
+    root = pkg.name
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == root:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    deps.add(sub if sub in files else node.module)
+        room = name.split(".")[:2]
+        graph[name] = {d for d in deps if d in files and d != name and d.split(".")[:2] == room}
+    return graph
+
+
+def test_no_import_circles_inside_a_room():
+    cycle = _cycle(_module_graph())
+    assert cycle is None, (
+        "import circle inside a room: " + " -> ".join(cycle or []) + " (move the shared name to a "
+        "module both may import, or to the floor; a lazy or TYPE_CHECKING import still counts)"
+    )
+
+
+def test_the_circle_check_sees_lazy_and_annotation_only_imports(tmp_path):
+    """The rule has teeth: a circle held only by a function-level import and an import under
+    TYPE_CHECKING is found, and so is one through a package's `__init__`."""
+    pkg = tmp_path / "adaflash"
+    (pkg / "room").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "room" / "__init__.py").write_text("from adaflash.room.a import f\n")
+    (pkg / "room" / "a.py").write_text("def f():\n    from adaflash.room.b import g\n    return g\n")
+    (pkg / "room" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from adaflash.room import a\ng = 1\n"
+    )
+    (pkg / "room" / "c.py").write_text("from adaflash.room import f\n")
+    graph = _module_graph(pkg)
+    assert graph["adaflash.room.a"] == {"adaflash.room.b"}
+    assert graph["adaflash.room.b"] == {"adaflash.room.a"}
+    assert graph["adaflash.room.c"] == {"adaflash.room"}
+    assert _cycle(graph) == ["adaflash.room.a", "adaflash.room.b", "adaflash.room.a"]
+    (pkg / "room" / "b.py").write_text("g = 1\n")
+    assert _cycle(_module_graph(pkg)) is None
 
 
 def test_architecture_md_names_only_what_exists():

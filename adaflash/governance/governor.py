@@ -37,9 +37,10 @@ from adaflash.feedback.schema import (
     SchemaError,
     parse_record,
 )
-from adaflash.governance.batch import BatchOutcome, GovernanceConfig, Message, ParsedBatch, ScrubbedBatch
+from adaflash.governance.batch import BatchOutcome, Message, ParsedBatch, ScrubbedBatch
 from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.checks import RecordValidator, non_finite_fields
+from adaflash.governance.config import GovernanceConfig
 from adaflash.governance.filters import FloodFilter, NearDuplicateFilter, minhash
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow
 from adaflash.governance.payloads import message_id, over_caps, rebuild, schema_code, strings_of

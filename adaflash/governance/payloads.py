@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from adaflash.feedback.schema import SCHEMA_VERSION, FeedbackRecord
-
-if TYPE_CHECKING:
-    from adaflash.governance.governor import GovernanceConfig, Message
+from adaflash.governance.batch import Message
+from adaflash.governance.config import GovernanceConfig
 
 # -- poison-pill caps -----------------------------------------------------------------------------------
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')

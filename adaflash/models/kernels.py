@@ -25,6 +25,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from adaflash.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -77,8 +79,6 @@ def library() -> ctypes.CDLL | None:
         sources = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
         identity = sources + version.encode() + _cpu_signature().encode()
         key = hashlib.sha256(identity).hexdigest()[:16]
-        from adaflash.models.targets import cache_root  # here: targets -> transformer -> packed -> us
-
         path = cache_root() / "kernels" / f"adaflash-{key}.so"
         if not path.exists():
             _build(compiler, path)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,15 +23,12 @@ import torch
 from adaflash.errors import AdaFlashError
 from adaflash.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from adaflash.models.transformer import TargetConfig, TargetModel
+from adaflash.paths import cache_root
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2 has no mask token. `<empty_output>` (id 16) is a Jupyter marker from pre-training that
 # the chat template never emits, so it is free to mean "masked block slot" for the drafter.
 SMOLLM2_MASK_TOKEN = "<empty_output>"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ADAFLASH_CACHE", Path.home() / ".cache" / "adaflash"))
 
 
 @dataclass

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from adaflash.models.generate import pad_batch
-from adaflash.models.targets import Target, cache_root
+from adaflash.models.targets import Target
+from adaflash.paths import cache_root
 from adaflash.training.responses import Response
 
 FORMAT = 1
@@ -207,6 +208,10 @@ class StoreWriter:
         self.feature_dim = len(layer_ids) * target.config.hidden_size
         self.shard_tokens = shard_tokens
         self._buf: list[tuple[Response, torch.Tensor]] = []
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.key.layer_ids
 
     def add(self, r: Response, rows: torch.Tensor) -> None:
         """rows [>= L-1, n*H]: features of positions 0..L-2 (position L-1's are never read)."""

@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from adaflash.models.generate import greedy_generate
-from adaflash.models.targets import Target, cache_root
+from adaflash.models.targets import Target
+from adaflash.paths import cache_root
 from adaflash.workloads import Prompt
 
 if TYPE_CHECKING:
-    from adaflash.training.feature_store import StoreWriter
+    import torch
 
 MAX_PROMPT_TOKENS = 384  # prompts are cut to their last 384 tokens (chat template included)
 
@@ -35,6 +36,18 @@ class Response:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
+
+
+class FeatureSink(Protocol):
+    """Where the generator's own forward passes leave their features (`feature_store.StoreWriter`):
+    a protocol, so the feature store may import this module and not the other way round."""
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]: ...
+
+    def add(self, r: Response, rows: torch.Tensor) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 def responses_path(target: Target, split: str, max_new_tokens: int) -> Path:
@@ -65,7 +78,7 @@ def ensure_responses(
     max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     deadline: float | None = None,
     on_progress: Callable[[int, int], None] | None = None,
-    features: StoreWriter | None = None,
+    features: FeatureSink | None = None,
 ) -> list[Response]:
     """Responses for `prompts` (cached ones reused); stops at `deadline` (time.time()),
     keeping every response finished by then. `batch_size` is the number of decode slots.
@@ -104,7 +117,7 @@ def ensure_responses(
             slots=batch_size,
             on_done=persist,
             deadline=deadline,
-            capture_layers=features.key.layer_ids if features else (),
+            capture_layers=features.layer_ids if features else (),
             on_features=captured.__setitem__ if features else None,
         )
         # Responses cut by the deadline are still the target's greedy prefixes: keep the
