@@ -137,9 +137,10 @@ def governance_bench(
 
 
 def _lineage(data_dir: Path | None):
+    from adaflash.governance.config import GovernanceConfig
     from adaflash.governance.lineage import LineageStore
 
-    path = governance_state(data_dir) / "lineage.sqlite"
+    path = GovernanceConfig(governance_state(data_dir)).lineage_path
     if not path.exists():
         raise InputError(
             f"no lineage store at {path}: run `adaflash governance run` first or pass --data-dir"

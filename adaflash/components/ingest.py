@@ -15,6 +15,7 @@ from pathlib import Path
 from adaflash.errors import AdaFlashError
 from adaflash.feedback.schema import CleanRecord
 from adaflash.governance.buffer import ReplayBuffer
+from adaflash.governance.config import GovernanceConfig
 from adaflash.governance.lineage import LineageStore
 from adaflash.training.replay import ReplayWindow, replay_sample
 
@@ -75,13 +76,14 @@ def ingest(
     count, not whatever share of a small domain a fraction happens to give.
     """
     replay = replay or ReplayWindow()
-    store = LineageStore(governance_dir / "lineage.sqlite")
+    layout = GovernanceConfig(governance_dir)
+    store = LineageStore(layout.lineage_path)
     try:
         shards = store.untrained_shards()
         earlier = store.trained_shards() if replay.max_records else []
     finally:
         store.close()
-    buffer = ReplayBuffer(governance_dir / "buffer")
+    buffer = ReplayBuffer(layout.buffer_dir)
     new = _read_shards(buffer, shards)
     records, shards = new.records, [s for s in shards if s["shard_id"] not in new.skipped_shards]
     if len(records) < min_records:

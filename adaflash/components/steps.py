@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from adaflash.components.gate import GateDecision, GatePolicy, gate
 from adaflash.components.ingest import Snapshot
 from adaflash.feedback.schema import CleanRecord
+from adaflash.governance.config import GovernanceConfig
 from adaflash.governance.lineage import LineageStore
 
 if TYPE_CHECKING:  # annotations only: the steps import models and training inside the functions
@@ -343,7 +344,7 @@ def register(
             reason=f"pipeline run: shadow gate said {decision}: {'; '.join(shadow['gate']['reasons'])}",
             pending_approval=(gate_mode == "manual" and decision == "promote"),
         )
-    store = LineageStore(governance_dir / "lineage.sqlite")
+    store = LineageStore(GovernanceConfig(governance_dir).lineage_path)
     try:
         store.mark_trained(
             snapshot.shard_ids, version, datetime.now(UTC).isoformat(), snapshot.lineage["train_record_ids"]

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from adaflash.governance.config import GovernanceConfig
 from adaflash.governance.lineage import LineageStore
 
 PIPELINE_IR = Path("manifests/pipelines/continual_training.yaml")
@@ -47,7 +48,7 @@ def schedule_recurring_run(
 
 def new_clean_records(governance_dir: Path) -> int:
     """Clean records in shards that no drafter version has consumed yet."""
-    path = governance_dir / "lineage.sqlite"
+    path = GovernanceConfig(governance_dir).lineage_path
     if not path.exists():
         return 0
     store = LineageStore(path)
