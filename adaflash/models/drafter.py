@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.models.layers import GatedMLP, RMSNorm, apply_rope, rope_tables
+from adaflash.models.layers import Block, RMSNorm, apply_rope, rope_tables
 from adaflash.models.packed import fused_linear
 
 
@@ -147,19 +147,6 @@ class DrafterAttention(nn.Module):
         return fused_linear(self, "o", out.transpose(1, 2).reshape(B, T, -1), self.o_proj)[0]
 
 
-class DrafterLayer(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
-        super().__init__()
-        self.self_attn = DrafterAttention(c)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 @dataclass
 class DrafterContext:
     """Per-request cached context K/V of every drafter layer: [B, kv_heads, capacity, D] each.
@@ -181,7 +168,11 @@ class Drafter(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        c = config
+        self.layers = nn.ModuleList(
+            Block(DrafterAttention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+            for _ in range(c.num_layers)
+        )
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.models.layers import GatedMLP, RMSNorm, apply_rope, attention_dtype, rope_tables
+from adaflash.models.layers import Block, RMSNorm, apply_rope, attention_dtype, rope_tables
 from adaflash.models.packed import fused_linear
 
 
@@ -139,19 +139,6 @@ class Attention(nn.Module):
         return fused_linear(self, "o", x, self.o_proj)[0]
 
 
-class Block(nn.Module):
-    def __init__(self, c: TargetConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class TargetModel(nn.Module):
     """Frozen Llama/Qwen3 decoder. Parameter names match HF's (without the `model.` prefix)."""
 
@@ -159,7 +146,11 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        c = config
+        self.layers = nn.ModuleList(
+            Block(Attention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+            for _ in range(c.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
