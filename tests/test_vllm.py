@@ -12,7 +12,7 @@ import pytest
 
 from adaflash.errors import AdaFlashError
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]  # first start-ups compile (minutes each)
 
 N_PROMPTS, MAX_TOKENS = 8, 64
 

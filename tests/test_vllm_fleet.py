@@ -18,7 +18,7 @@ import torch
 
 from adaflash.errors import AdaFlashError
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]  # first start-ups compile (minutes each)
 
 KEYS = {"key-acme": "acme"}
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three prime numbers.",
