@@ -21,6 +21,9 @@ from adaflash.errors import AdaFlashError
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]  # first start-ups compile (minutes each)
 
 KEYS = {"key-acme": "acme"}
+# Without torch.compile: this build cannot reload its compile cache on CPU ("'function' object has no
+# attribute 'finalize_loading'"), so every start-up would compile again (5-7 min each on 2 busy cores).
+EAGER = ["--compilation-config", '{"mode": 0}']
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three prime numbers.",
              "How do I reverse a list in Python?"]  # fmt: skip
 
@@ -82,8 +85,9 @@ def test_vllm_fleet_follows_promotion_and_rollback(tmp_path, mlflow_server, scru
     v2_dir = _v2(tmp_path, tgt)
     front = free_port()
     with running_broker(tmp_path / "broker") as broker:
+        backend = Backend("vllm-process", port=front, args=EAGER)
         cfg = FleetConfig(mlflow_server.tracking_uri, broker.bootstrap_servers, "smollm2",
-                          str(tmp_path / "drafters"), [Backend("vllm-process", port=front)])  # fmt: skip
+                          str(tmp_path / "drafters"), [backend])  # fmt: skip
         controller = FleetController(cfg, vocab.fingerprint)
         follower = ChampionFollower(None, broker.bootstrap_servers, mlflow_server.tracking_uri,
                                     vocab.fingerprint, apply=controller.apply)  # fmt: skip

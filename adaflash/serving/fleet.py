@@ -58,6 +58,7 @@ class Backend:
     model_path: str | None = None  # vllm-process: the target's HF folder (default: the target's)
     venv: str | None = None  # vllm-process: vLLM's virtualenv (default .venv-vllm)
     method: str = "dflash"  # vllm-process: dflash with the champion; ngram | suffix | ar without it
+    args: list[str] = field(default_factory=list)  # vllm-process: more vLLM server arguments
 
 
 KINDS = ("adaflash-engine", "sglang-deployment", "vllm-process")
@@ -142,7 +143,7 @@ class FleetController:
         if replicas is None:
             replicas = VllmReplicas(b.model_path or target_model_path(self.cfg.target),
                                     Path(self.cfg.drafter_dir), str(vllm_python(b.venv)),
-                                    Front("0.0.0.0", b.port), method=b.method)  # fmt: skip
+                                    Front("0.0.0.0", b.port), method=b.method, args=list(b.args))  # fmt: skip
             self.vllm[b.port] = replicas
         with RegistryClient(self.cfg.tracking_uri, self.fingerprint) as reg:
             path = reg.download(event.version, Path(self.cfg.drafter_dir) / f"v{event.version}")

@@ -123,6 +123,7 @@ class VllmReplicas:
     block_size: int = 8
     method: str = "dflash"
     served_model_name: str = "adaflash"
+    args: list[str] = field(default_factory=list)  # more vLLM server arguments
     log_dir: Path = Path(".adaflash/vllm")
     live: object | None = None  # VllmServer
     live_version: str | None = None
@@ -161,7 +162,7 @@ class VllmReplicas:
         port = _free_port()
         argv = vllm_launch_argv(self.model_path, speculative_config(method, drafter, block_size),
                                 python=self.python, host="127.0.0.1", port=port,
-                                served_model_name=self.served_model_name)  # fmt: skip
+                                served_model_name=self.served_model_name, extra=self.args)  # fmt: skip
         server = VllmServer(argv, port, self.log_dir / f"vllm-v{version}-{method}-{port}.log").start()
         try:
             server.wait_ready()
