@@ -28,6 +28,8 @@ from dataclasses import replace as _replace
 
 from adaflash.errors import AdaFlashError
 from adaflash.governance.pii_guard import keep, protected
+from adaflash.governance.pii_record import encoded_hits, propagate, split_turn_hits
+from adaflash.governance.pii_record import replaced_spans as replaced_spans  # the governor imports it here
 from adaflash.governance.pii_spans import ScrubResult, Span, merge_spans, replace_spans
 from adaflash.governance.pii_words import SPACY_MODEL
 
@@ -361,7 +363,9 @@ class PiiScrubber:
 
     def detect(self, texts: list[str]) -> list[tuple[list[Span], list[str]]]:
         """Both layers: (merged spans without replacements, unsure reasons) per text."""
+        from adaflash.governance.pii_kinds import kind_hits, rule_hits
         from adaflash.governance.pii_rules import second_pass
+        from adaflash.governance.pii_scripts import non_latin_name
 
         results = self.batch.analyze_iterator(
             texts,
@@ -386,10 +390,12 @@ class PiiScrubber:
             second: list[Span] = []
             if self.second_pass:
                 sp = second_pass(text, regions)
+                kind_hits(text, sp.hits, regions)
+                second += split_turn_hits(text, rule_hits) + encoded_hits(text, regions, rule_hits)
                 # spaCy's places veto the name lists ("San Francisco" is not a person).
                 places = [(r.start, r.end) for r in found if r.entity_type == "LOCATION"]
                 for h in sp.hits:
-                    if h.entity != "PERSON":
+                    if h.entity != "PERSON" or non_latin_name(text[h.start : h.end]):
                         second.append(Span(h.start, h.end, h.entity))
                         continue
                     if not h.cue and any(a < h.end and h.start < b for a, b in places):
@@ -413,7 +419,7 @@ class PiiScrubber:
         for idx in members.values():
             spans = [detected[i][0] for i in idx]
             if self.second_pass:
-                spans = _propagate_names([texts[i] for i in idx], spans)
+                spans = propagate([texts[i] for i in idx], spans)
             sur = None
             if self._fake is not None:
                 from adaflash.governance.surrogates import Surrogates
@@ -444,51 +450,3 @@ class PiiScrubber:
         }
         found = [RecognizerResult(s.entity, s.start, s.end, 1.0) for s in spans]
         return AnonymizerEngine().anonymize(text=text, analyzer_results=found, operators=ops).text
-
-
-def _propagate_names(texts: list[str], spans: list[list[Span]]) -> list[list[Span]]:
-    """Every part of a caught name is masked wherever it recurs in the record, as a PERSON span."""
-    from adaflash.governance.pii_names import name_like
-    from adaflash.governance.pii_words import EXAMPLE_NAMES
-
-    parts = set()
-    for text, sp in zip(texts, spans, strict=True):
-        for s in sp:
-            if s.entity == "PERSON":
-                parts.update(
-                    w
-                    for w in _WORD_AT.findall(text[s.start : s.end])
-                    if len(w) >= 3 and w[0].isupper() and w not in EXAMPLE_NAMES and name_like(w)
-                )
-    if not parts:
-        return spans
-    rx = re.compile(
-        r"(?<![\w])(?:" + "|".join(re.escape(p) for p in sorted(parts, key=len, reverse=True)) + r")(?![\w])"
-    )
-    out = []
-    for text, sp in zip(texts, spans, strict=True):
-        extra = [Span(m.start(), m.end(), "PERSON") for m in rx.finditer(text)]
-        out.append(merge_spans(sp + extra) if extra else sp)
-    return out
-
-
-def replaced_spans(result: ScrubResult, where: str) -> list:
-    """Lineage of one scrubbed text: kind and offsets (original and governed) of each replaced
-    span, never its value."""
-    from adaflash.feedback.schema import ReplacedSpan
-
-    out, shift = [], 0
-    for s in result.spans:
-        new = len(s.replacement) if s.replacement is not None else len(s.entity) + 2
-        out.append(
-            ReplacedSpan(
-                where=where,
-                entity=s.entity,
-                start=s.start,
-                end=s.end,
-                new_start=s.start + shift,
-                new_end=s.start + shift + new,
-            )
-        )
-        shift += new - (s.end - s.start)
-    return out

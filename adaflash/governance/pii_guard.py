@@ -44,6 +44,9 @@ _VERSION_CUE = re.compile(
     r"(?i)(?:\bv|version|release|build|upgrade|from|to|python|node|kernel|cuda|driver|chrome|firefox|"
     r"safari|ubuntu|openssl|lts|==|>=|<=|~=|\^|@|[\[(])\W{0,3}$"
 )
+_ID_NEAR = re.compile(
+    r"(?i)\bbsn|burgerservice|sofinummer|\bid\b|identi|national|citizen|personal|nummer|number"
+)
 _DECIMAL = re.compile(r"(?<![\d.])\d+\.\d{4,}(?:[eE][+\-]?\d+)?(?![\d.])")
 _MATH_HINT = re.compile(
     r"(?i)\bhow (?:many|much|long|far)\b|\bsolve\b|\bcalculate\b|\bcompute\b|\bfind x\b|\bwhat is \d|"
@@ -119,6 +122,8 @@ def protected(text: str) -> list[tuple[int, int]]:
             len(c) >= 3 for c in tok.split("-")[0].split(".")
         ):  # 201.144.060-22: an ID's groups, not a version
             continue
+        if _ID_NEAR.search(text, max(0, m.start() - 40), m.start()):  # "BSN 1384.14.890": an id
+            continue
         if (
             tok.count(".") >= 2
             or tok.startswith("v")
@@ -145,7 +150,8 @@ def keep(span: Span, text: str, regions: list[tuple[int, int]]) -> bool:
     """False for a detection that is not personal data (see the module doc)."""
     value = text[span.start : span.end]
     if any(a < span.end and span.start < b for a, b in regions):
-        return span.entity in {"EMAIL_ADDRESS", "PERSON"}  # an e-mail or a name is never inside a hash
+        # An e-mail, a name, a coordinate pair or a wallet is never inside a hash or a version.
+        return span.entity in {"EMAIL_ADDRESS", "PERSON", "LOCATION_GPS", "CRYPTO"}
     if span.entity == "IP_ADDRESS" and _safe_ip(value):
         return False
     if span.entity == "PHONE_NUMBER":

@@ -134,7 +134,7 @@ def _validators():
     ]
 
 
-def _checksum_kind(s: str) -> tuple[str, bool] | None:
+def checksum_kind(s: str) -> tuple[str, bool] | None:
     for name, ok, strong in _validators():
         try:
             if ok(s):
@@ -142,6 +142,18 @@ def _checksum_kind(s: str) -> tuple[str, bool] | None:
         except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
             continue
     return None
+
+
+def valid_kinds(s: str) -> list:
+    """The validators `s` passes (a surrogate must pass the same ones)."""
+    out = []
+    for _, ok, _ in _validators():
+        try:
+            if ok(s):
+                out.append(ok)
+        except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
+            continue
+    return out
 
 
 _SEPARATED = re.compile(r"\d[\-./ ]\d|\d[\-./ ][A-Z]|[A-Z]\d")
@@ -166,7 +178,7 @@ _PHONE_REGIONS = (
 )
 
 
-def _phone_like(s: str) -> bool:
+def phone_like(s: str) -> bool:
     import phonenumbers
 
     raw = s.strip()
@@ -200,7 +212,7 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -
         quantity = len(set(d)) <= 2 or d.endswith("0000")  # 331000000, 9999999999: not an identifier
         if quantity:
             continue
-        if _phone_like(tok) or (len(d) >= 7 and _near(_RE_PHONE_CTX, text, s, e)):
+        if phone_like(tok) or (len(d) >= 7 and _near(_RE_PHONE_CTX, text, s, e)):
             hits.append(Hit(s, e, "PHONE_NUMBER"))
             continue
         if len(d) >= 6 and _near(_RE_ID_CTX, text, s, e):
@@ -209,7 +221,7 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -
         if _near(_RE_POST_CTX, text, s, e, 32, 0) and len(d) <= 9:
             hits.append(Hit(s, e, "POSTCODE"))
             continue
-        found = _checksum_kind(tok) or _checksum_kind(tok.replace(" ", ""))
+        found = checksum_kind(tok) or checksum_kind(tok.replace(" ", ""))
         if found is None or len(d) < 8:
             continue
         kind, strong = found
@@ -223,7 +235,7 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -
         tok = m.group(0)
         if sum(c.isdigit() for c in tok) < 2 or tok.isdigit():
             continue
-        found = _checksum_kind(tok)
+        found = checksum_kind(tok)
         if found and found[1]:
             hits.append(Hit(m.start(), m.end(), found[0]))
         elif _near(_RE_ID_CTX, text, m.start(), m.end()) and len(tok) >= 6:
@@ -346,12 +358,14 @@ _PROFILE_URL = re.compile(
     r"facebook\.com|fb\.com|behance\.net|dribbble\.com|medium\.com/@|t\.me|tiktok\.com/@|youtube\.com/@|"
     r"reddit\.com/u(?:ser)?|keybase\.io|mastodon\.social/@)/?([\w.\-]+)"
 )
-_URL_USERINFO = re.compile(r"(?<![\w+.\-])[a-z][a-z0-9+.\-]{0,30}://([^\s:/@]+)(?::([^\s/@]+))?@")
+_URL_USERINFO = re.compile(r"(?<![\w+.\-])[a-z][a-z0-9+.\-]{0,30}://([^\s:/@]*)(?::([^\s/@]+))?@")
 _SKYPE = re.compile(r"\blive:[\w.\-]+")
 
 
 def _contacts(text: str, hits: list[Hit]) -> None:
     for m in _EMAIL.finditer(text):
+        if re.search(r"://[^\s/@]{0,80}$", text[max(0, m.start() - 90) : m.start()]):
+            continue  # the password and host of scheme://user:pass@host, not an e-mail
         hits.append(Hit(m.start(), m.end(), "EMAIL_ADDRESS"))
     for m in _OBFUSCATED_EMAIL.finditer(text):
         hits.append(Hit(m.start(), m.end(), "EMAIL_ADDRESS"))
@@ -371,7 +385,8 @@ def _contacts(text: str, hits: list[Hit]) -> None:
         }:
             hits.append(Hit(m.start(1), m.end(1), "USERNAME"))
     for m in _URL_USERINFO.finditer(text):
-        hits.append(Hit(m.start(1), m.end(1), "USERNAME"))
+        if m.group(1):  # redis://:password@host has no user
+            hits.append(Hit(m.start(1), m.end(1), "USERNAME"))
         if m.group(2):
             hits.append(Hit(m.start(2), m.end(2), "CREDENTIAL"))
     for m in _SKYPE.finditer(text):

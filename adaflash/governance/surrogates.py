@@ -93,7 +93,16 @@ class Surrogates:
     def surrogate(self, entity: str, value: str) -> str:
         key = (entity, value)
         if key not in self.values:
+            if entity.startswith("ENCODED_"):
+                self.values[key] = self._encoded(value)
+                return self.values[key]
             fn = {
+                "NATIONAL_ID": self._checksummed,
+                "US_SSN": self._checksummed,
+                "UK_NHS": self._checksummed,
+                "CRYPTO": self._crypto,
+                "LOCATION_GPS": self._gps,
+                "MAC_ADDRESS": self._hex,
                 "PERSON": self._person,
                 "EMAIL_ADDRESS": self._email,
                 "USERNAME": self._username,
@@ -110,6 +119,8 @@ class Surrogates:
                 out = fn(value)
                 if out != value:
                     break
+            if out == value:  # a shape no generator above changes: at least its digits differ
+                out = re.sub(r"\d", lambda _: self.rng.choice(string.digits), value)
             self.values[key] = out
         return self.values[key]
 
@@ -133,6 +144,11 @@ class Surrogates:
         return fake[:1].upper() + fake[1:]
 
     def _person(self, value: str) -> str:
+        from adaflash.governance.pii_scripts import script_of
+
+        script = script_of(value)
+        if script is not None:
+            return _in_script(value, script, self.rng)
         parts = re.split(r"([\s\-]+)", value)
         out, first = [], True
         for p in parts:
@@ -199,11 +215,6 @@ class Surrogates:
                 out.append(c)
         return "".join(out)
 
-    def _phone(self, value: str) -> str:
-        # Keep the "+country" or leading trunk "0": the number stays recognisably of its region.
-        m = re.match(r"^\s*(?:\+|00)\d{1,2}|^\s*\(?0", value)
-        return self._shape(value, keep=m.end() if m else 1)
-
     def _card(self, value: str) -> str:
         digits = [i for i, c in enumerate(value) if c.isdigit()]
         if len(digits) < 12:
@@ -236,6 +247,9 @@ class Surrogates:
         return "".join(out)
 
     def _ip(self, value: str) -> str:
+        cidr = re.fullmatch(r"(\d{1,3}(?:\.\d{1,3}){3})(/\d{1,2})", value)
+        if cidr:  # a network keeps its prefix length and stays a valid address
+            return self._ip(cidr.group(1)) + cidr.group(2)
         if re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", value):
             return ".".join(
                 [str(self.rng.randint(11, 223))]
@@ -245,8 +259,104 @@ class Surrogates:
         return re.sub(r"[0-9a-fA-F]", lambda m: self.rng.choice("0123456789abcdef"), value)
 
     def _credential(self, value: str) -> str:
+        if re.fullmatch(r"[0-9a-fA-F]{16,}", value):  # a hex key stays hex
+            return self._hex(value)
         m = _KEY_PREFIX.match(value)
         return self._shape(value, keep=m.end() if m else 0)
+
+    # -- kinds with a validator: the surrogate passes the validator that detected the value ----------
+    def _hex(self, value: str, keep: int = 0) -> str:
+        def one(c: str) -> str:
+            d = self.rng.choice("0123456789abcdef")
+            return d.upper() if c.isupper() else d
+
+        return value[:keep] + "".join(one(c) if c in string.hexdigits else c for c in value[keep:])
+
+    def _checksummed(self, value: str) -> str:
+        """Same shape, and valid for every checksum the value was valid for (CPF, SIN, BSN, ...)."""
+        from adaflash.governance.pii_rules import valid_kinds
+
+        checks = valid_kinds(value)
+
+        def passes(s: str) -> bool:
+            try:
+                return all(ok(s) for ok in checks)
+            except Exception:  # noqa: BLE001 - stdnum raises on some odd inputs (cn.ric: KeyError)
+                return False
+
+        # One check digit or letter: about 1 in 11 to 1 in 26 draws pass. Ids with a region or a
+        # birth date inside (cn.ric, fi.hetu) pass more often with their first six characters kept.
+        for i in range(600):
+            out = self._shape(value, keep=0 if i < 300 else 6)
+            if passes(out) and out != value:
+                return out
+        return self._shape(value)
+
+    def _phone(self, value: str) -> str:
+        import phonenumbers
+
+        m = re.match(r"^\s*(?:\+|00)\d{1,2}|^\s*\(?0", value)
+        keep = m.end() if m else 1
+        try:
+            parsed = phonenumbers.parse(
+                value.replace("00", "+", 1) if value.startswith("00") else value, "GB"
+            )
+            valid = phonenumbers.is_valid_number(parsed)
+        except phonenumbers.NumberParseException:
+            valid = False
+        out = self._shape(value, keep=keep)
+        for _ in range(200 if valid else 0):  # a valid number gets a valid number of its region
+            try:
+                n = phonenumbers.parse(out.replace("00", "+", 1) if out.startswith("00") else out, "GB")
+                if phonenumbers.is_valid_number(n) and n.country_code == parsed.country_code:
+                    break
+            except phonenumbers.NumberParseException:
+                pass
+            out = self._shape(value, keep=keep)
+        return out
+
+    def _crypto(self, value: str) -> str:
+        if value.lower().startswith("0x"):
+            return "0x" + self._hex(value[2:].lower())
+        m = re.match(r"(bc|tb|ltc)1", value.lower())
+        if m:
+            return _bech32(m.group(1), len(value) - len(m.group(0)) - 6, self.rng)
+        return self._shape(value)
+
+    def _gps(self, value: str) -> str:
+        nums = list(re.finditer(r"-?\d+(?:\.\d+)?", value))
+
+        def one(i: int, m: re.Match) -> str:
+            s = m.group(0)
+            dec = len(s.split(".")[1]) if "." in s else 0
+            bound = 80 if i % 2 == 0 else 179
+            if "°" in value:  # degrees, minutes, seconds: each in its own range
+                bound = [80, 59, 59][i % 3] if value.count("°") < 2 else [80, 59, 59, 179, 59, 59][i % 6]
+            x = self.rng.uniform(0 if "°" in value else -bound, bound)
+            return f"{x:.{dec}f}" if dec else str(int(x))
+
+        out, pos = [], 0
+        for i, m in enumerate(nums):
+            out += [value[pos : m.start()], one(i, m)]
+            pos = m.end()
+        return "".join(out) + value[pos:]
+
+    def _encoded(self, value: str) -> str:
+        """Decode, replace what the rules find with this record's surrogates, encode again."""
+        from adaflash.governance.pii_kinds import rule_hits
+        from adaflash.governance.pii_record import decode, encode, encoding_of
+
+        enc = encoding_of(value)
+        text = decode(enc, value)
+        if text is None:
+            return self._shape(value)
+        parts, pos = [], 0
+        for h in sorted(rule_hits(text), key=lambda h: h.start):
+            if h.start < pos:
+                continue
+            parts += [text[pos : h.start], self.surrogate(h.entity, text[h.start : h.end])]
+            pos = h.end
+        return encode(enc, "".join(parts) + text[pos:], value)
 
     def _date(self, value: str) -> str:
         year = str(self.rng.randint(1950, 2004))
@@ -277,7 +387,13 @@ class Surrogates:
             out,
         )
 
+    def _cjk_address(self, value: str) -> str:
+        return _cjk_place(self.rng, value)
+
     def _address(self, value: str) -> str:
+        if re.search(r"[\u3040-\u30ff\u4e00-\u9fff\uac00-\ud7af]", value):
+            return self._cjk_address(value)
+
         def word(m: re.Match) -> str:
             w = m.group(0)
             if w.isdigit():
@@ -292,3 +408,71 @@ class Surrogates:
             return self.fake.last_name()
 
         return re.sub(r"[^\W\d_][\w'’]*\.?|\d+", word, value)
+
+
+_BECH32 = "qpzry9x8gf2tvdw0s3jn54khce6mua7l"
+
+
+def _bech32(hrp: str, n_data: int, rng: random.Random) -> str:
+    """A random bech32 address (BIP 173) with a valid checksum: witness version 0, `n_data` symbols."""
+
+    def polymod(values: list[int]) -> int:
+        gen = [0x3B6A57B2, 0x26508E6D, 0x1EA119FA, 0x3D4233DD, 0x2A1462B3]
+        chk = 1
+        for v in values:
+            top = chk >> 25
+            chk = (chk & 0x1FFFFFF) << 5 ^ v
+            for i in range(5):
+                chk ^= gen[i] if (top >> i) & 1 else 0
+        return chk
+
+    data = [0] + [rng.randrange(32) for _ in range(max(n_data - 1, 1))]
+    expand = [ord(c) >> 5 for c in hrp] + [0] + [ord(c) & 31 for c in hrp]
+    mod = polymod(expand + data + [0] * 6) ^ 1
+    checksum = [(mod >> 5 * (5 - i)) & 31 for i in range(6)]
+    return hrp + "1" + "".join(_BECH32[d] for d in data + checksum)
+
+
+def _in_script(value: str, script: str, rng: random.Random) -> str:
+    """A name of the same script (a faker locale that writes it), as many words as the original."""
+    from adaflash.governance.pii_scripts import SCRIPTS
+
+    g = _script_faker(rng.choice(SCRIPTS[script][1]))
+    g.seed_instance(rng.getrandbits(32))
+    if " " not in value.strip():  # CJK: family name + given name, no space
+        return (g.last_name() + g.first_name())[: max(len(value), 2)]
+    words = value.split()
+    out = [g.first_name()] + [g.last_name() for _ in words[1:]]
+    return " ".join(w.split()[0] for w in out)
+
+
+def _script_faker(locale: str):
+    from importlib import import_module
+
+    from faker import Generator
+
+    if locale not in _SCRIPT_FAKERS:
+        g = Generator()
+        g.add_provider(import_module(f"faker.providers.person.{locale}").Provider)
+        _SCRIPT_FAKERS[locale] = g
+    return _SCRIPT_FAKERS[locale]
+
+
+_SCRIPT_FAKERS: dict = {}
+
+
+# Place-name characters for CJK address surrogates; the administrative suffixes (市, 区, 路, 号...)
+# and the digits' positions are kept, so the surrogate still reads as an address.
+_CJK_PLACE = "东南西北中新安宁平和华光明长春兴福德山川江河湖海林松竹梅桜田村井本上下大小"
+_CJK_KEEP = set("省市都道府県縣县区區町村郡路街道大号號番地丁目楼樓室階巷弄")
+
+
+def _cjk_place(rng: random.Random, value: str) -> str:
+    return "".join(
+        rng.choice(_CJK_PLACE)
+        if "\u4e00" <= c <= "\u9fff" and c not in _CJK_KEEP
+        else rng.choice(string.digits)
+        if c.isdigit()
+        else c
+        for c in value
+    )
