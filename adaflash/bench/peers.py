@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from adaflash.models.hf_config import to_hf
 from adaflash.models.targets import Target
 
 
@@ -25,20 +26,7 @@ def hf_model(target: Target):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     c = target.config
-    kw = dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=c.attention_bias,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-    )
+    kw = dict(**to_hf(c), tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias)
     cfg, cls = (
         (Qwen3Config(**kw), Qwen3ForCausalLM) if c.arch == "qwen3" else (LlamaConfig(**kw), LlamaForCausalLM)
     )

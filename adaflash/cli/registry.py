@@ -64,9 +64,9 @@ def registry_command(events: str | None):
 
 
 def _registry(target: str, tracking_uri: str, bootstrap_servers: str = ""):
+    from adaflash.models.checkpoint import checkpoint_check
     from adaflash.models.targets import load_vocabulary
     from adaflash.registry import RegistryClient
-    from adaflash.serving.reload import checkpoint_check
 
     vocab = load_vocabulary(target)  # the fingerprint without loading the weights
     return RegistryClient(

@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,9 @@ import torch
 from adaflash import __version__
 from adaflash.errors import CheckpointError
 from adaflash.models.drafter import Drafter, DrafterConfig
+from adaflash.models.hf_config import HF_NAMES
 from adaflash.models.length_head import LengthHead
+from adaflash.models.targets import TINY_CONFIG, Vocabulary, smollm2_dir
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -251,3 +254,28 @@ def load_drafter_for(path: Path | str, target, dtype: torch.dtype | None = None)
         target_num_layers=c.num_layers,
         dtype=dtype or target.model.dtype,
     )
+
+
+def checkpoint_check(target: str, vocab: Vocabulary) -> Callable[[Path], None]:
+    """What a server's reload checks (`load_drafter_for`: config, every tensor, fingerprint,
+    shapes), from the target's config alone — so `registry register` refuses what servers would
+    without loading the target's weights."""
+
+    def check(d: Path) -> None:
+        hidden = layers = None
+        if target == "tiny":
+            hidden, layers = TINY_CONFIG.hidden_size, TINY_CONFIG.num_layers
+        else:
+            cfg = (smollm2_dir() if target == "smollm2" else Path(target).expanduser()) / "config.json"
+            if cfg.is_file():
+                hf = json.loads(cfg.read_text())
+                hidden, layers = hf.get(HF_NAMES["hidden_size"]), hf.get(HF_NAMES["num_layers"])
+        load_drafter(
+            d,
+            target_fingerprint=vocab.fingerprint,
+            target_vocab_size=vocab.vocab_size,
+            target_hidden_size=hidden,
+            target_num_layers=layers,
+        )
+
+    return check

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash.models import hf_config
 from adaflash.models.layers import Block, RMSNorm, apply_rope, rope_tables
 from adaflash.models.packed import fused_linear
 
@@ -57,19 +58,7 @@ class DrafterConfig:
         """`config.json` in the DFlash format (a Qwen3 config plus the DFlash fields)."""
         from transformers import Qwen3Config
 
-        base = Qwen3Config(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            tie_word_embeddings=False,
-        ).to_dict()
+        base = Qwen3Config(**hf_config.to_hf(self), tie_word_embeddings=False).to_dict()
         base.update(
             architectures=["DFlashDraftModel"],
             block_size=self.block_size,
@@ -85,23 +74,12 @@ class DrafterConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> DrafterConfig:
         dcfg = hf.get("dflash_config", {})
-        rope = hf.get("rope_parameters") or {}
-        heads = hf["num_attention_heads"]
         return cls(
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            vocab_size=hf["vocab_size"],
+            **hf_config.from_hf(hf, rms_norm_eps=1e-6, max_position_embeddings=8192),
             num_target_layers=hf["num_target_layers"],
             target_layer_ids=tuple(dcfg.get("target_layer_ids", hf.get("target_layer_ids", ()))),
             mask_token_id=int(dcfg.get("mask_token_id", hf.get("mask_token_id"))),
             block_size=int(dcfg.get("block_size", hf.get("block_size", 16))),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
         )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from adaflash.errors import AdaFlashError
+from adaflash.models import hf_config
 from adaflash.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from adaflash.models.transformer import TargetConfig, TargetModel
 from adaflash.paths import cache_root
@@ -77,23 +78,12 @@ def config_from_hf(hf: dict) -> TargetConfig:
         raise AdaFlashError(
             f"unsupported target architecture {model_type!r}: only Llama and Qwen3 families are supported"
         )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = hf_config.rope_of(hf)
     if rope.get("rope_type", "default") != "default":
         raise AdaFlashError(f"unsupported RoPE scaling {rope.get('rope_type')!r} in target config")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    heads = hf["num_attention_heads"]
     return TargetConfig(
         arch=model_type,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=hf["rms_norm_eps"],
-        rope_theta=float(theta),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        **hf_config.from_hf(hf, max_position_embeddings=4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
     )

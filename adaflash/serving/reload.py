@@ -13,20 +13,17 @@ checkpoint raises `CheckpointError` with a one-line reason and the old drafter k
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from adaflash.errors import CheckpointError
-from adaflash.models.checkpoint import WEIGHTS, DrafterBundle, load_drafter, load_drafter_for
+from adaflash.models.checkpoint import WEIGHTS, DrafterBundle, load_drafter_for
 
-if TYPE_CHECKING:  # annotations only: `checkpoint_check` is used without loading the engine
-    from adaflash.models.targets import Vocabulary
+if TYPE_CHECKING:  # annotations only
     from adaflash.serving.engine import Engine
     from adaflash.serving.metrics import ServingMetrics
 
@@ -46,36 +43,6 @@ def load_checked(engine: Engine, path: Path | str) -> DrafterBundle:
     if engine.config.method == "adaflash" and bundle.length_head is None:
         raise CheckpointError(f"drafter {path} has no length head, which method 'adaflash' needs")
     return bundle
-
-
-def checkpoint_check(target: str, vocab: Vocabulary) -> Callable[[Path], None]:
-    """What a server's reload checks (`load_drafter_for`: config, every tensor, fingerprint,
-    shapes), from the target's config alone — so `registry register` refuses what servers would
-    without loading the target's weights."""
-
-    def check(d: Path) -> None:
-        hidden = layers = None
-        if target == "tiny":
-            from adaflash.models.targets import tiny_target
-
-            c = tiny_target().config
-            hidden, layers = c.hidden_size, c.num_layers
-        else:
-            from adaflash.models.targets import smollm2_dir
-
-            cfg = (smollm2_dir() if target == "smollm2" else Path(target).expanduser()) / "config.json"
-            if cfg.is_file():
-                hf = json.loads(cfg.read_text())
-                hidden, layers = hf.get("hidden_size"), hf.get("num_hidden_layers")
-        load_drafter(
-            d,
-            target_fingerprint=vocab.fingerprint,
-            target_vocab_size=vocab.vocab_size,
-            target_hidden_size=hidden,
-            target_num_layers=layers,
-        )
-
-    return check
 
 
 # How long a reload may spend reading a checkpoint before it is abandoned (a hung filesystem).
