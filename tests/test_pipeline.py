@@ -12,7 +12,13 @@ from adaflash.components.cluster import GPU_NODE_SELECTOR, GPU_RESOURCE, GPU_TOL
 from adaflash.feedback import topics
 from adaflash.governance.lineage import LineageStore
 from adaflash.models.checkpoint import save_drafter
-from adaflash.pipelines.continual import IR_PATHS, PROFILES, compile_pipeline, continual_training
+from adaflash.pipelines.continual import (
+    IR_PATHS,
+    PROFILES,
+    PipelineParams,
+    compile_pipeline,
+    continual_training,
+)
 from tests.conftest import REPO, make_bundle
 from tests.kafka_util import read_topic, running_broker
 from tests.test_continual_steps import serve_into_buffer
@@ -45,6 +51,41 @@ def _gpu_config(profile: str) -> dict[str, tuple]:
         if acc or "nodeSelector" in k8s or "tolerations" in k8s:
             out[name] = (acc, k8s.get("nodeSelector"), k8s.get("tolerations"))
     return out
+
+
+IR_TYPES = {str: "STRING", int: "NUMBER_INTEGER", float: "NUMBER_DOUBLE"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compiled_ir_takes_pipeline_params_with_their_defaults(profile):
+    """PipelineParams is the one source of the pipeline's parameters: the committed IR of each
+    build takes exactly its fields for that profile, with their types and defaults."""
+    spec, _ = _ir(profile)
+    inputs = spec["root"]["inputDefinitions"]["parameters"]
+    fields = PipelineParams.fields(profile)
+    assert list(inputs) == sorted(f.name for f in fields)
+    assert {k: v["parameterType"] for k, v in inputs.items()} == {f.name: IR_TYPES[f.type] for f in fields}
+    ir_defaults = {k: v["defaultValue"] for k, v in inputs.items() if "defaultValue" in v}
+    defaults = PipelineParams.defaults(profile)
+    assert ir_defaults == defaults  # the IR writes integers as floats: 8.0 == 8
+    required = {k for k, v in inputs.items() if not v.get("isOptional")}
+    assert required == {"target", "governance_dir", "tracking_uri", "fallback_drafter"}
+    assert profile == "production" or "train_workers" not in inputs
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_component_inputs_are_named_and_typed_like_the_pipeline_params(profile):
+    """A component input that is not a step's output carries a pipeline parameter: same name, same
+    type (so `_build` passes `p.NAME` to `NAME=`)."""
+    spec, _ = _ir(profile)
+    types = {f.name: IR_TYPES[f.type] for f in PipelineParams.fields(profile)}
+    from_steps = {"decision", "version", "reason", "status"}  # shadow eval's, register's, exit's
+    for name, comp in spec["components"].items():
+        if "executorLabel" not in comp:
+            continue  # a DAG (the exit handler's, a condition's), not a component
+        for param, d in comp["inputDefinitions"].get("parameters", {}).items():
+            if param not in from_steps:
+                assert types.get(param) == d["parameterType"], (name, param, d)
 
 
 def test_production_ir_puts_exactly_training_and_shadow_eval_on_one_gpu():

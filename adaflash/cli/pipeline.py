@@ -11,6 +11,7 @@ import typer
 
 from adaflash.cli._common import BootstrapOpt, GovDirOpt, TargetOpt, console, governance_state
 from adaflash.errors import InputError
+from adaflash.pipelines.params import PipelineParams
 
 app = typer.Typer()
 pipeline_app = typer.Typer(
@@ -68,6 +69,10 @@ def pipeline_train_step(
         console.print(f"challenger in {out}: {summary}")
 
 
+# The options' defaults are the pipeline's (pipelines/params.py); `P.NAME` is a field's default.
+P = PipelineParams
+
+
 @pipeline_app.command("run")
 def pipeline_run(
     target: TargetOpt = "smollm2",
@@ -77,65 +82,73 @@ def pipeline_run(
     tracking_uri: Annotated[
         str, typer.Option(help="MLflow tracking/registry server")
     ] = "http://127.0.0.1:5000",
-    bootstrap_servers: BootstrapOpt = "",
+    bootstrap_servers: BootstrapOpt = P.bootstrap_servers,
     data_dir: GovDirOpt = None,
-    min_records: Annotated[int, typer.Option(help="new clean records a run needs")] = 128,
-    loss: Annotated[str, typer.Option(help="opd | osd | fkl")] = "opd",
-    epochs: Annotated[int, typer.Option()] = 2,
+    min_records: Annotated[int, typer.Option(help="new clean records a run needs")] = P.min_records,
+    loss: Annotated[str, typer.Option(help="opd | osd | fkl")] = P.loss,
+    epochs: Annotated[int, typer.Option()] = P.epochs,
     gate_mode: Annotated[
         str, typer.Option(help="auto: promote a winner; manual: leave it pending approval")
-    ] = "auto",
+    ] = P.gate_mode,
     heldout_per_domain: Annotated[
         int, typer.Option(help="held-out records per domain for the gate (0: --heldout-fraction of all)")
-    ] = 0,
-    heldout_fraction: Annotated[float, typer.Option(help="held-out share when no per-domain count")] = 0.2,
+    ] = P.heldout_per_domain,
+    heldout_fraction: Annotated[
+        float, typer.Option(help="held-out share when no per-domain count")
+    ] = P.heldout_fraction,
     replay_records: Annotated[
         int, typer.Option(help="earlier clean records replayed beside the new ones (0: new only)")
-    ] = 0,
+    ] = P.replay_records,
     replay_half_life_s: Annotated[
         float, typer.Option(help="replay recency: a record's weight halves per this age (seconds)")
-    ] = 86400.0,
-    replay_tenant_cap: Annotated[float, typer.Option(help="the most of the window one tenant fills")] = 0.5,
+    ] = P.replay_half_life_s,
+    replay_tenant_cap: Annotated[
+        float, typer.Option(help="the most of the window one tenant fills")
+    ] = P.replay_tenant_cap,
     min_gain: Annotated[
         float, typer.Option(help="the gate's overall interval must lie above this τ gain (tokens/round)")
-    ] = 0.0,
-    gate_min_records: Annotated[int, typer.Option(help="fewer paired held-out records: reject")] = 16,
+    ] = P.min_gain,
+    gate_min_records: Annotated[
+        int, typer.Option(help="fewer paired held-out records: reject")
+    ] = P.gate_min_records,
     gate_metric: Annotated[
         str, typer.Option(help="tau_full (full-block τ; served τ guarded) | tau (served)")
-    ] = "tau_full",
-    concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = 8,
-    gamma: Annotated[float, typer.Option(help="shadow-eval k̂ = ⌊γ·â·k⌋: the fleet's `serve --gamma`")] = 1.0,
-    max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = 64,
+    ] = P.gate_metric,
+    concurrency: Annotated[int, typer.Option(help="shadow-eval concurrency")] = P.concurrency,
+    gamma: Annotated[
+        float, typer.Option(help="shadow-eval k̂ = ⌊γ·â·k⌋: the fleet's `serve --gamma`")
+    ] = P.gamma,
+    max_new_tokens: Annotated[int, typer.Option(help="shadow-eval output length")] = P.max_new_tokens,
     pipeline_root: Annotated[Path, typer.Option(help="kfp.local artifacts")] = Path(".adaflash/kfp"),
 ) -> None:
     """Run the pipeline locally through kfp.local (every component in this environment)."""
     from adaflash.pipelines.continual import run_local
 
     gov = governance_state(data_dir).resolve()
+    params = PipelineParams(
+        target=target,
+        governance_dir=str(gov),
+        tracking_uri=tracking_uri,
+        fallback_drafter=str(fallback_drafter.resolve()),
+        bootstrap_servers=bootstrap_servers,
+        min_records=min_records,
+        loss=loss,
+        epochs=epochs,
+        gate_mode=gate_mode,
+        gate_metric=gate_metric,
+        min_gain=min_gain,
+        gate_min_records=gate_min_records,
+        heldout_per_domain=heldout_per_domain,
+        heldout_fraction=heldout_fraction,
+        replay_records=replay_records,
+        replay_half_life_s=replay_half_life_s,
+        replay_tenant_cap=replay_tenant_cap,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+        gamma=gamma,
+    )
     try:
-        run_local(
-            pipeline_root,
-            target=target,
-            governance_dir=str(gov),
-            tracking_uri=tracking_uri,
-            fallback_drafter=str(fallback_drafter.resolve()),
-            bootstrap_servers=bootstrap_servers,
-            min_records=min_records,
-            loss=loss,
-            epochs=epochs,
-            gate_mode=gate_mode,
-            gate_metric=gate_metric,
-            min_gain=min_gain,
-            gate_min_records=gate_min_records,
-            heldout_per_domain=heldout_per_domain,
-            heldout_fraction=heldout_fraction,
-            replay_records=replay_records,
-            replay_half_life_s=replay_half_life_s,
-            replay_tenant_cap=replay_tenant_cap,
-            concurrency=concurrency,
-            max_new_tokens=max_new_tokens,
-            gamma=gamma,
-        )
+        run_local(pipeline_root, params)
     except ValueError as e:
         raise InputError(str(e)) from e
     console.print(f"pipeline finished; run log: {gov / 'pipeline_runs.jsonl'}")
@@ -159,15 +172,16 @@ def pipeline_schedule(
     """Create a recurring run of the committed IR on a Kubeflow cluster (kfp.Client)."""
     from adaflash.pipelines.schedule import schedule_recurring_run
 
-    params = {
-        "target": target,
-        "governance_dir": governance_dir,
-        "tracking_uri": tracking_uri,
-        "fallback_drafter": fallback_drafter,
-        "bootstrap_servers": bootstrap_servers,
-        "gate_mode": gate_mode,
-    }
-    rid = schedule_recurring_run(host, params, cron=cron)
+    params = PipelineParams(
+        target=target,
+        governance_dir=governance_dir,
+        tracking_uri=tracking_uri,
+        fallback_drafter=fallback_drafter,
+        bootstrap_servers=bootstrap_servers,
+        gate_mode=gate_mode,
+    )
+    # What was given; the IR's defaults (the same PipelineParams) fill in the rest on the cluster.
+    rid = schedule_recurring_run(host, params.arguments(changed_only=True), cron=cron)
     console.print(f"recurring run {rid} created ({cron})")
 
 
@@ -175,7 +189,7 @@ def pipeline_schedule(
 def pipeline_watch(
     target: TargetOpt = "smollm2",
     data_dir: GovDirOpt = None,
-    min_records: Annotated[int, typer.Option()] = 128,
+    min_records: Annotated[int, typer.Option()] = P.min_records,
     interval: Annotated[float, typer.Option(help="seconds between checks")] = 60.0,
     max_runs: Annotated[int | None, typer.Option(help="stop after this many runs")] = None,
     tracking_uri: Annotated[str, typer.Option()] = "http://127.0.0.1:5000",

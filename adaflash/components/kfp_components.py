@@ -4,7 +4,8 @@ Each body only moves artifacts (paths in, metadata and metrics out) and calls on
 tests of `steps` test what the pipeline runs. Bodies import what they need (KFP ships only the
 function's source to the executor). Locally they run through
 `kfp.local.SubprocessRunner(use_venv=False)` in this environment; on a cluster they run in
-`IMAGE` (components/cluster.py), which is this package installed (see manifests/).
+`IMAGE` (components/cluster.py), which is this package installed (see manifests/). An input
+that carries a pipeline parameter has its name and type (pipelines/params.py: PipelineParams).
 """
 
 # No `from __future__ import annotations`: KFP reads the real annotation objects (Input[Dataset]...).
@@ -41,13 +42,13 @@ def ingest_op(
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def champion_op(target: str, tracking_uri: str, fallback_dir: str, champion: Output[Model]) -> str:
+def champion_op(target: str, tracking_uri: str, fallback_drafter: str, champion: Output[Model]) -> str:
     """The registry's champion (or the bootstrap drafter before the first promotion)."""
     from pathlib import Path
 
     from adaflash.components.steps import champion as fetch_champion
 
-    champ = fetch_champion(target, tracking_uri, fallback_dir, Path(champion.path))
+    champ = fetch_champion(target, tracking_uri, fallback_drafter, Path(champion.path))
     champion.metadata["version"] = champ.source
     return champ.version
 
@@ -90,12 +91,12 @@ def train_job_op(
     random_anchors: int,
     grad_accum: int,
     governance_dir: str,
-    workers: int,
-    namespace: str,
-    timeout_minutes: int,
+    train_workers: int,
+    train_namespace: str,
+    train_timeout_minutes: int,
     challenger: Output[Model],
 ):
-    """The same training, data-parallel: a PyTorchJob of `workers` GPU pods running `torchrun`
+    """The same training, data-parallel: a PyTorchJob of `train_workers` GPU pods running `torchrun`
     (components/trainjob.py). This task only stages the inputs on the shared volume, submits the
     job, waits for it and collects the challenger; it needs no GPU itself."""
     from pathlib import Path
@@ -105,9 +106,9 @@ def train_job_op(
 
     cfg = OnlineConfig(loss=loss, epochs=epochs, lr=lr, random_anchors=random_anchors, grad_accum=grad_accum)
     job = TrainJob.for_inputs(target, Path(snapshot.path), champion.metadata.get("version"), cfg,
-                              Path(governance_dir), workers, namespace)  # fmt: skip
+                              Path(governance_dir), train_workers, train_namespace)  # fmt: skip
     summary = run_train_job(job, Path(snapshot.path), Path(champion.path), Path(challenger.path),
-                            timeout_s=timeout_minutes * 60)  # fmt: skip
+                            timeout_s=train_timeout_minutes * 60)  # fmt: skip
     challenger.metadata.update(summary)
 
 

@@ -15,9 +15,9 @@ Two builds of the same pipeline (`adaflash pipeline compile --profile ...`):
               data-parallel instead, as a PyTorchJob of `train_workers` GPU pods (`train_job_op`).
 """
 
-# No `from __future__ import annotations`: KFP reads the parameters' real annotation objects.
+from __future__ import annotations
+
 from pathlib import Path
-from typing import Literal
 
 from kfp import compiler, dsl, kubernetes
 
@@ -34,10 +34,11 @@ from adaflash.components.kfp_components import (
     train_op,
 )
 from adaflash.components.steps import LOSSES
+from adaflash.pipelines.params import PROFILES, PipelineParams, Profile
+
+__all__ = ["PROFILES", "PipelineParams", "Profile", "compile_pipeline", "continual_training", "run_local"]
 
 PIPELINE_NAME = "adaflash-continual-training"
-Profile = Literal["local", "production"]
-PROFILES: tuple[Profile, ...] = ("local", "production")
 # Where `adaflash pipeline compile` writes each build: the local one is what manifests/pipelines
 # ships (base and local-kind), the production overlay replaces it with its own.
 IR_PATHS: dict[str, Path] = {
@@ -83,170 +84,119 @@ def _on_one_gpu(*tasks) -> None:
         kubernetes.add_toleration(t, **GPU_TOLERATION.to_k8s())
 
 
+def _gate_and_register(p: PipelineParams, snap, champ, challenger, gpu: bool) -> None:
+    """shadow eval → register → gate → promote, for the challenger of either training path.
+
+    The production build calls it once per branch rather than merging the branches'
+    challengers with dsl.OneOf: kfp.local (2.17) fails on an artifact OneOf, while If/Else with
+    each branch's own downstream tasks is what it runs."""
+    shadow = shadow_eval_op(
+        target=p.target,
+        snapshot=snap.outputs["snapshot"],
+        champion=champ.outputs["champion"],
+        challenger=challenger,
+        concurrency=p.concurrency,
+        max_new_tokens=p.max_new_tokens,
+        gamma=p.gamma,
+        min_gain=p.min_gain,
+        max_domain_regression=p.max_domain_regression,
+        gate_metric=p.gate_metric,
+        gate_min_records=p.gate_min_records,
+    )
+    reg = register_op(
+        target=p.target,
+        tracking_uri=p.tracking_uri,
+        bootstrap_servers=p.bootstrap_servers,
+        governance_dir=p.governance_dir,
+        gate_mode=p.gate_mode,
+        decision=shadow.outputs["Output"],
+        snapshot=snap.outputs["snapshot"],
+        challenger=challenger,
+        report=shadow.outputs["report"],
+    )
+    _on_shared_volume(shadow, reg)
+    _kafka_client(reg)
+    if gpu:
+        _on_one_gpu(shadow)
+    with dsl.If(shadow.outputs["Output"] == "promote", name="challenger-wins"):
+        with dsl.If(p.gate_mode == "auto", name="auto-promotion"):
+            promoted = promote_op(
+                target=p.target,
+                tracking_uri=p.tracking_uri,
+                bootstrap_servers=p.bootstrap_servers,
+                version=reg.output,
+                reason="shadow evaluation: the gate's paired bootstrap interval cleared the bar",
+            )
+            _kafka_client(promoted)
+
+
+def _train_args(p: PipelineParams, snap, champ) -> dict:
+    """What both training paths take: the snapshot, the champion and the recipe."""
+    return {
+        "target": p.target,
+        "snapshot": snap.outputs["snapshot"],
+        "champion": champ.outputs["champion"],
+        "loss": p.loss,
+        "epochs": p.epochs,
+        "lr": p.lr,
+        "random_anchors": p.random_anchors,
+        "grad_accum": p.grad_accum,
+    }
+
+
+def _pipeline(p: PipelineParams, gpu: bool) -> None:
+    """The pipeline, given its parameters (KFP's channels while it compiles)."""
+    exit_task = record_run_op(governance_dir=p.governance_dir)
+    _on_shared_volume(exit_task)
+    with dsl.ExitHandler(exit_task, name="record-run"):
+        snap = ingest_op(
+            governance_dir=p.governance_dir,
+            min_records=p.min_records,
+            heldout_fraction=p.heldout_fraction,
+            heldout_per_domain=p.heldout_per_domain,
+            replay_records=p.replay_records,
+            replay_half_life_s=p.replay_half_life_s,
+            replay_tenant_cap=p.replay_tenant_cap,
+        )
+        champ = champion_op(target=p.target, tracking_uri=p.tracking_uri, fallback_drafter=p.fallback_drafter)
+        _on_shared_volume(snap, champ)
+        train_args = _train_args(p, snap, champ)
+        if not gpu:
+            trained = train_op(**train_args)
+            _on_shared_volume(trained)
+            _gate_and_register(p, snap, champ, trained.outputs["challenger"], gpu)
+            return
+        # The window's size is known only once ingest has run: branch on it at run time.
+        with dsl.If(snap.outputs["Output"] > p.max_records_per_gpu, name="data-parallel"):
+            job = train_job_op(
+                **train_args,
+                governance_dir=p.governance_dir,
+                train_workers=p.train_workers,
+                train_namespace=p.train_namespace,
+                train_timeout_minutes=p.train_timeout_minutes,
+            )
+            _on_shared_volume(job)  # it stages the inputs on governance-data for the job's pods
+            _gate_and_register(p, snap, champ, job.outputs["challenger"], gpu)
+        with dsl.Else(name="one-gpu"):
+            trained = train_op(**train_args)
+            _on_shared_volume(trained)
+            _on_one_gpu(trained)
+            _gate_and_register(p, snap, champ, trained.outputs["challenger"], gpu)
+
+
 def _build(profile: Profile):
+    """One build: a pipeline function whose typed signature is `PipelineParams.signature(profile)`."""
     gpu = profile == "production"
 
-    def gate_and_register(p: dict, snap, champ, challenger) -> None:
-        """shadow eval → register → gate → promote, for the challenger of either training path.
+    def pipeline(*args):  # no docstring: KFP would make it the pipeline's description
+        _pipeline(PipelineParams.of(profile, args), gpu)
 
-        The production build calls it once per branch rather than merging the branches'
-        challengers with dsl.OneOf: kfp.local (2.17) fails on an artifact OneOf (tried), while
-        If/Else with each branch's own downstream tasks is what it runs."""
-        shadow = shadow_eval_op(
-            target=p["target"],
-            snapshot=snap.outputs["snapshot"],
-            champion=champ.outputs["champion"],
-            challenger=challenger,
-            concurrency=p["concurrency"],
-            max_new_tokens=p["max_new_tokens"],
-            gamma=p["gamma"],
-            min_gain=p["min_gain"],
-            max_domain_regression=p["max_domain_regression"],
-            gate_metric=p["gate_metric"],
-            gate_min_records=p["gate_min_records"],
-        )
-        reg = register_op(
-            target=p["target"],
-            tracking_uri=p["tracking_uri"],
-            bootstrap_servers=p["bootstrap_servers"],
-            governance_dir=p["governance_dir"],
-            gate_mode=p["gate_mode"],
-            decision=shadow.outputs["Output"],
-            snapshot=snap.outputs["snapshot"],
-            challenger=challenger,
-            report=shadow.outputs["report"],
-        )
-        _on_shared_volume(shadow, reg)
-        _kafka_client(reg)
-        if gpu:
-            _on_one_gpu(shadow)
-        with dsl.If(shadow.outputs["Output"] == "promote", name="challenger-wins"):
-            with dsl.If(p["gate_mode"] == "auto", name="auto-promotion"):
-                promoted = promote_op(
-                    target=p["target"],
-                    tracking_uri=p["tracking_uri"],
-                    bootstrap_servers=p["bootstrap_servers"],
-                    version=reg.output,
-                    reason="shadow evaluation: the gate's paired bootstrap interval cleared the bar",
-                )
-                _kafka_client(promoted)
-
-    def body(p: dict) -> None:
-        """The pipeline, given its parameters (`locals()` of the decorated function)."""
-        exit_task = record_run_op(governance_dir=p["governance_dir"])
-        _on_shared_volume(exit_task)
-        with dsl.ExitHandler(exit_task, name="record-run"):
-            snap = ingest_op(
-                governance_dir=p["governance_dir"],
-                min_records=p["min_records"],
-                heldout_fraction=p["heldout_fraction"],
-                heldout_per_domain=p["heldout_per_domain"],
-                replay_records=p["replay_records"],
-                replay_half_life_s=p["replay_half_life_s"],
-                replay_tenant_cap=p["replay_tenant_cap"],
-            )
-            champ = champion_op(
-                target=p["target"], tracking_uri=p["tracking_uri"], fallback_dir=p["fallback_drafter"]
-            )
-            _on_shared_volume(snap, champ)
-            train_args = {
-                "target": p["target"],
-                "snapshot": snap.outputs["snapshot"],
-                "champion": champ.outputs["champion"],
-                **{k: p[k] for k in ("loss", "epochs", "lr", "random_anchors", "grad_accum")},
-            }
-            if not gpu:
-                trained = train_op(**train_args)
-                _on_shared_volume(trained)
-                gate_and_register(p, snap, champ, trained.outputs["challenger"])
-                return
-            # The window's size is known only once ingest has run: branch on it at run time.
-            with dsl.If(snap.outputs["Output"] > p["max_records_per_gpu"], name="data-parallel"):
-                job = train_job_op(
-                    **train_args,
-                    governance_dir=p["governance_dir"],
-                    workers=p["train_workers"],
-                    namespace=p["train_namespace"],
-                    timeout_minutes=p["train_timeout_minutes"],
-                )
-                _on_shared_volume(job)  # it stages the inputs on governance-data for the job's pods
-                gate_and_register(p, snap, champ, job.outputs["challenger"])
-            with dsl.Else(name="one-gpu"):
-                trained = train_op(**train_args)
-                _on_shared_volume(trained)
-                _on_one_gpu(trained)
-                gate_and_register(p, snap, champ, trained.outputs["challenger"])
-
+    pipeline.__signature__ = PipelineParams.signature(profile)
+    pipeline.__name__ = "continual_training_production" if gpu else "continual_training"
     description = "OPD retraining of the served drafter with a shadow-eval gate"
-    if not gpu:
-
-        @dsl.pipeline(name=PIPELINE_NAME, description=description)
-        def continual_training(
-            target: str,
-            governance_dir: str,
-            tracking_uri: str,
-            fallback_drafter: str,
-            bootstrap_servers: str = "",
-            min_records: int = 128,
-            heldout_fraction: float = 0.2,
-            heldout_per_domain: int = 0,
-            replay_records: int = 0,  # earlier clean records replayed per run (training/replay.py)
-            replay_half_life_s: float = 86400.0,
-            replay_tenant_cap: float = 0.5,
-            loss: str = "opd",
-            epochs: int = 2,
-            lr: float = 3e-4,
-            random_anchors: int = 0,
-            grad_accum: int = 2,
-            concurrency: int = 8,
-            max_new_tokens: int = 64,
-            gamma: float = 1.0,
-            min_gain: float = 0.0,
-            max_domain_regression: float = 0.02,
-            gate_metric: str = "tau_full",
-            gate_min_records: int = 16,
-            gate_mode: str = "auto",
-        ):
-            body(locals())
-
-        return continual_training
-
-    @dsl.pipeline(name=PIPELINE_NAME, description=description + " (GPU; data-parallel past one GPU)")
-    def continual_training_production(
-        target: str,
-        governance_dir: str,
-        tracking_uri: str,
-        fallback_drafter: str,
-        bootstrap_servers: str = "",
-        min_records: int = 128,
-        heldout_fraction: float = 0.2,
-        heldout_per_domain: int = 0,
-        replay_records: int = 0,  # earlier clean records replayed per run (training/replay.py)
-        replay_half_life_s: float = 86400.0,
-        replay_tenant_cap: float = 0.5,
-        loss: str = "opd",
-        epochs: int = 2,
-        lr: float = 3e-4,
-        random_anchors: int = 0,
-        grad_accum: int = 2,  # records per optimiser step: the global batch, whatever the worker count
-        concurrency: int = 8,
-        max_new_tokens: int = 64,
-        gamma: float = 1.0,
-        min_gain: float = 0.0,
-        max_domain_regression: float = 0.02,
-        gate_metric: str = "tau_full",
-        gate_min_records: int = 16,
-        gate_mode: str = "auto",
-        # A window of more training records than this trains data-parallel. Set it to what one GPU
-        # trains within the schedule's budget (not measured here: these machines have no GPU).
-        max_records_per_gpu: int = 20000,
-        train_workers: int = 2,  # PyTorchJob pods, one GPU each; must divide grad_accum
-        train_namespace: str = "adaflash",  # where the PVCs are: the job's pods mount them
-        train_timeout_minutes: int = 360,
-    ):
-        body(locals())
-
-    return continual_training_production
+    if gpu:
+        description += " (GPU; data-parallel past one GPU)"
+    return dsl.pipeline(name=PIPELINE_NAME, description=description)(pipeline)
 
 
 continual_training = _build("local")
@@ -254,19 +204,19 @@ continual_training_production = _build("production")
 PIPELINES = {"local": continual_training, "production": continual_training_production}
 
 
-def run_local(pipeline_root: Path, **params) -> None:
+def run_local(pipeline_root: Path, params: PipelineParams) -> None:
     """Execute the pipeline here through kfp.local: every component is a subprocess of this
     environment. Raises when a task fails (after the exit handler has recorded the run)."""
     from kfp import local
 
-    if params.get("loss", "opd") not in LOSSES:
-        raise ValueError(f"unknown loss {params['loss']!r}: choose opd, osd or fkl")
-    if params.get("gate_mode", "auto") not in GATE_MODES:
+    if params.loss not in LOSSES:
+        raise ValueError(f"unknown loss {params.loss!r}: choose opd, osd or fkl")
+    if params.gate_mode not in GATE_MODES:
         raise ValueError("gate mode must be auto or manual")
-    if params.get("gate_metric", "tau_full") not in GATE_METRICS:
+    if params.gate_metric not in GATE_METRICS:
         raise ValueError(f"gate metric must be one of {', '.join(GATE_METRICS)}")
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root.resolve()))
-    continual_training(**params)
+    continual_training(**params.arguments("local"))
 
 
 def compile_pipeline(path: Path | None = None, profile: Profile = "local") -> Path:
