@@ -119,6 +119,13 @@ def release(src: Path, dst: Path, target: Target) -> Path:
     )
 
 
+def _hardware(device: torch.device) -> str:
+    """What the model card names as the run's machine."""
+    if device.type == "cuda":
+        return f"one {torch.cuda.get_device_name(device)} GPU"
+    return f"{torch.get_num_threads()} CPU threads"
+
+
 def _as_pass(seq: StoredSequence) -> SequencePass:
     return SequencePass(seq.tokens, seq.features, None)
 
@@ -135,12 +142,16 @@ class BootstrapTrainer:
         self.target, self.out, self.cfg, self.data_dir = target, Path(out_dir), cfg, data_dir
         self.progress = progress
         torch.manual_seed(cfg.seed)
-        self.drafter, self.head = self._init_models()
+        # Everything trains where the target sits (the CPU here, a GPU on a cluster); the feature
+        # store and the data order stay on the host, each step moves only what it samples.
+        self.device = target.model.embed_tokens.weight.device
+        drafter, head = self._init_models()
+        self.drafter, self.head = drafter.to(self.device), head.to(self.device)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.head_lr, weight_decay=0.0)
         self.state = TrainState()
         self.draft_vocab: torch.Tensor | None = None  # the training vocabulary, saved for serving
-        self.weights = position_weights(cfg.block_size, cfg.position_decay)
+        self.weights = position_weights(cfg.block_size, cfg.position_decay).to(self.device)
         self._resume()
 
     # --- setup --------------------------------------------------------------------------
@@ -261,7 +272,7 @@ class BootstrapTrainer:
             # Anchors at response positions: the decoder's first anchor is the first response token.
             pool = torch.arange(P, L - 1)
             take = torch.randperm(pool.numel(), generator=g)[: c.anchors_per_seq]
-            out.append((seq, pool[take].sort().values))
+            out.append((seq.to(self.device), pool[take].sort().values.to(self.device)))
         return out
 
     def _train_step(self, store: FeatureStore, vocab: VocabCut) -> dict:
@@ -273,19 +284,19 @@ class BootstrapTrainer:
         self.opt.zero_grad(set_to_none=True)
         batch = self._sample(store, self.state.step)
         g = torch.Generator().manual_seed(c.seed * 7 + self.state.step)
-        vocab = vocab.with_negatives(c.vocab_negatives, g)
+        vocab = vocab.to(self.device).with_negatives(c.vocab_negatives, g)
         total = 0.0
         correct = torch.zeros(c.block_size - 1)
         rows = torch.zeros(c.block_size - 1)
         for seq, anchors in batch:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.bf16):
                 out = stored_block_loss(
                     self.drafter, self.target.model, seq, anchors, self.weights, vocab, c.kl_weight
                 )
             (out.loss / len(batch)).backward()
             total += out.loss.item()
-            correct += out.correct_at
-            rows += out.rows_at
+            correct += out.correct_at.cpu()
+            rows += out.rows_at.cpu()
             self.state.seen_blocks += anchors.numel()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.opt.step()
@@ -309,7 +320,8 @@ class BootstrapTrainer:
                     r = still.nonzero().squeeze(1)
                     if r.numel() == 0:
                         break
-                    hit = self.target.model.logits(hidden[r, i]).argmax(-1) == labels[r, i - 1]
+                    rd = r.to(self.device)
+                    hit = (self.target.model.logits(hidden[rd, i]).argmax(-1) == labels[rd, i - 1]).cpu()
                     acc[r[hit]] += 1
                     still[r[~hit]] = False
                 hidden_all.append(hidden)
@@ -317,7 +329,7 @@ class BootstrapTrainer:
         self.head.train()
         self.head_opt.zero_grad(set_to_none=True)
         hidden, acc = torch.cat(hidden_all), torch.cat(acc_all)
-        loss = F.mse_loss(self.head(hidden), acceptance_label(acc, k).to(hidden.dtype))
+        loss = F.mse_loss(self.head(hidden), acceptance_label(acc, k).to(hidden.device, hidden.dtype))
         loss.backward()
         self.head_opt.step()
         self.drafter.train()
@@ -413,6 +425,7 @@ class BootstrapTrainer:
             "stopped_by_budget": stopped_by_budget,
             "train_sequences": len(store),
             "train_tokens": store.response_tokens(),
+            "hardware": _hardware(self.device),
             "epochs": round(self.state.seen_blocks / max(store.response_tokens(), 1), 3),
             "heldout": report,
             "tau_vs_budget": self.state.curve,
@@ -438,7 +451,7 @@ class BootstrapTrainer:
         feats = torch.cat([s.features.float() for s in sample])
         std = feats.std(dim=0).clamp_min(1e-3)
         w = self.drafter.fc.weight
-        w.copy_(w / std.to(w.dtype)[None, :])
+        w.copy_(w / std.to(w.device, w.dtype)[None, :])
         self.progress("standardize_fc", {"max_std": float(std.max()), "median_std": float(std.median())})
 
     def _lineage(self, store: FeatureStore, vocab: VocabCut) -> dict:

@@ -65,10 +65,12 @@ def _walk(
     dtype = drafter.fc.weight.dtype
     S = len(seqs)
     Lmax = max(s.tokens.numel() for s in seqs)
-    feats = torch.zeros(S, Lmax, seqs[0].features.shape[-1], dtype=dtype)
+    # The models run on their device; the walk's bookkeeping (anchors, acceptance) stays on the host.
+    dev = drafter.fc.weight.device
+    feats = torch.zeros(S, Lmax, seqs[0].features.shape[-1], dtype=dtype, device=dev)
     for i, s in enumerate(seqs):
-        feats[i, : s.tokens.numel()] = s.features.to(dtype)
-    ctx_kv = drafter.context_kv(feats, torch.arange(Lmax)[None, :].expand(S, Lmax))
+        feats[i, : s.tokens.numel()] = s.features.to(dev, dtype)
+    ctx_kv = drafter.context_kv(feats, torch.arange(Lmax, device=dev)[None, :].expand(S, Lmax))
     stats = WalkStats(accepted_at=[0] * (k - 1))
     anchor = torch.tensor(starts)
     lengths = torch.tensor([s.tokens.numel() for s in seqs])
@@ -82,17 +84,18 @@ def _walk(
             return stats
         blocks, positions, labels = [], [], []
         for i in alive.tolist():
-            b, p, lab = block_inputs(seqs[i].tokens, anchor[i : i + 1], k, drafter.config.mask_token_id)
+            b, p, lab = block_inputs(seqs[i].tokens.cpu(), anchor[i : i + 1], k, drafter.config.mask_token_id)
             blocks.append(b), positions.append(p), labels.append(lab)
         block, pos, lab = torch.cat(blocks), torch.cat(positions), torch.cat(labels)
         span = int(anchor[alive].max())
         visible = (torch.arange(span)[None, :] < anchor[alive][:, None])[:, None, :].expand(-1, k, span)
-        kv = [(kk[alive, :, :span], vv[alive, :, :span]) for kk, vv in ctx_kv]
-        hidden = drafter(target.embed(block).to(dtype), pos, kv, visible)
+        alive_d = alive.to(dev)
+        kv = [(kk[alive_d, :, :span], vv[alive_d, :, :span]) for kk, vv in ctx_kv]
+        hidden = drafter(target.embed(block.to(dev)).to(dtype), pos.to(dev), kv, visible.to(dev))
         n = alive.numel()
         limit = torch.full((n,), k - 1)
         if head is not None:
-            a_hat = head(hidden)
+            a_hat = head(hidden).float().cpu()
             limit = verify_lengths(a_hat, k, gamma) - 1
         # Progressive LM head: position i is only scored for blocks that matched 1..i-1.
         acc = torch.zeros(n, dtype=torch.long)
@@ -101,7 +104,7 @@ def _walk(
             rows = still.nonzero().squeeze(1)
             if rows.numel() == 0:
                 break
-            pred = target.logits(hidden[rows, i]).argmax(-1)
+            pred = target.logits(hidden[rows.to(dev), i]).argmax(-1).cpu()
             hit = pred == lab[rows, i - 1]
             stats.accepted_at[i - 1] += int(hit.sum())
             acc[rows[hit]] += 1

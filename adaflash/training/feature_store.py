@@ -82,6 +82,17 @@ class StoredSequence:
     topk_ids: torch.Tensor | None = None  # [L, k]
     topk_logp: torch.Tensor | None = None  # [L, k] fp32
 
+    def to(self, device: torch.device) -> StoredSequence:
+        """This sequence's tensors on `device` (the store reads into host memory; a GPU step
+        moves only the sequences it samples)."""
+        if self.tokens.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return StoredSequence(
+            self.id, self.domain, move(self.tokens), move(self.features), self.prompt_len,
+            move(self.topk_ids), move(self.topk_logp),
+        )  # fmt: skip
+
 
 def responses_version_of(entries: Sequence[SeqEntry]) -> str:
     h = hashlib.sha256()
@@ -291,19 +302,20 @@ def build_store(
             n = max(1, batch_tokens // longest)
             chunk = group[j : j + n]
             tokens, lengths = pad_batch([r.tokens for r in chunk])
+            tokens = tokens.to(model.embed_tokens.weight.device)  # the target's device
             cache = model.new_cache(len(chunk), tokens.shape[1] + 1)
             out = model(tokens, cache, capture_layers=tuple(layer_ids))
             for b, r in enumerate(chunk):
                 L, o = len(r.tokens), int(offsets[j + b])
-                feats[o : o + L] = out.features[b, :L].to(torch.float16).numpy()
+                feats[o : o + L] = out.features[b, :L].to(torch.float16).cpu().numpy()
                 toks[o : o + L] = np.asarray(r.tokens, dtype=np.int32)
                 if topk:
                     # Rows from the last prompt position on predict response tokens.
                     start = max(len(r.prompt_ids) - 1, 0)
                     logp = F.log_softmax(model.logits(out.hidden[b, start:L]).float(), dim=-1)
                     top = logp.topk(topk, dim=-1)
-                    tk_ids[o + start : o + L] = top.indices.to(torch.int32).numpy()
-                    tk_lp[o + start : o + L] = top.values.to(torch.float16).numpy()
+                    tk_ids[o + start : o + L] = top.indices.to(torch.int32).cpu().numpy()
+                    tk_lp[o + start : o + L] = top.values.to(torch.float16).cpu().numpy()
             j += len(chunk)
             if on_progress is not None:
                 on_progress(len(chunk), int(lengths.sum()))

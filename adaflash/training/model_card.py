@@ -57,7 +57,7 @@ def render(m: dict, command: str) -> str:
             f"({c['vocab_cut']}; serving drafts over the same tokens, `draft_vocab.json`), "
             f"bf16 autocast {c['bf16']}.",
             f"- {m['steps']} steps ({m['epochs']} epochs of anchors), {m['train_minutes']} training minutes, "
-            f"{m['wall_minutes']} wall minutes on 2 CPU cores.",
+            f"{m['wall_minutes']} wall minutes on {m.get('hardware', '2 CPU cores')}.",
             f"- Command: `{command}`",
             *(
                 [

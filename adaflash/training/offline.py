@@ -56,6 +56,9 @@ class VocabCut:
         ids = torch.arange(vocab_size)
         return cls(ids, ids.clone())
 
+    def to(self, device: torch.device) -> VocabCut:
+        return self if self.ids.device == device else VocabCut(self.ids.to(device), self.index.to(device))
+
     @property
     def size(self) -> int:
         return int(self.ids.numel())
@@ -64,13 +67,15 @@ class VocabCut:
         """This cut plus `count` random ids from outside it (one step's sampled negatives), so the
         logits of ids no label uses are pushed down too and cannot win the full-vocab argmax."""
         V = self.index.numel()
+        dev = self.index.device
         outside = (self.index < 0).nonzero().squeeze(1)
         if count <= 0 or outside.numel() == 0:
             return self
-        pick = outside[torch.randperm(outside.numel(), generator=generator)[:count]]
+        # The generator lives on the CPU (reproducible on every device); the picks move over.
+        pick = outside[torch.randperm(outside.numel(), generator=generator)[:count].to(dev)]
         ids = torch.cat([self.ids, pick])
-        index = torch.full((V,), -1, dtype=torch.long)
-        index[ids] = torch.arange(ids.numel())
+        index = torch.full((V,), -1, dtype=torch.long, device=dev)
+        index[ids] = torch.arange(ids.numel(), device=dev)
         return VocabCut(ids, index)
 
 
@@ -106,10 +111,11 @@ def stored_block_loss(
     keep = lab >= 0
     ce = F.cross_entropy(logits[keep], lab[keep], reduction="none")
     pos_w = weights[None, :].expand_as(labels)[full]
-    per_row = torch.zeros(rows.shape[0], dtype=torch.float32)
+    per_row = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
     per_row[keep] = ce
     if kl_weight > 0 and seq.topk_ids is not None:
-        pos = (anchors[:, None] + torch.arange(1, k)[None, :])[full]  # absolute label positions
+        # absolute label positions
+        pos = (anchors[:, None] + torch.arange(1, k, device=anchors.device)[None, :])[full]
         t_ids, t_logp = seq.topk_ids[pos - 1], seq.topk_logp[pos - 1]
         t_idx = vocab.index[t_ids]
         ok = t_idx >= 0
