@@ -39,3 +39,102 @@ def test_addresses_hashes_and_versions_are_never_touched(scrubber):
         for k in keep:
             if k in t:
                 assert k in r.text, (k, t, r.text)
+
+
+def _valid(kind: str, value: str) -> bool:
+    """The validator that detects each kind, applied to its surrogate."""
+    import ipaddress
+
+    import phonenumbers
+    from presidio_analyzer.predefined_recognizers import CryptoRecognizer
+    from stdnum import iban, luhn
+    from stdnum.br import cpf
+    from stdnum.ca import sin
+    from stdnum.cn import ric
+    from stdnum.es import dni
+    from stdnum.it import codicefiscale
+    from stdnum.kr import rrn
+    from stdnum.nl import bsn
+    from stdnum.pl import pesel
+
+    checks = {
+        "cpf": cpf.is_valid, "sin": sin.is_valid, "codice_fiscale": codicefiscale.is_valid,
+        "bsn": lambda v: bsn.is_valid(v.replace(".", "")), "pesel": pesel.is_valid, "dni": dni.is_valid,
+        "ric": ric.is_valid, "rrn": rrn.is_valid, "card": lambda v: luhn.is_valid(re.sub(r"\D", "", v)),
+        "iban": iban.is_valid, "phone": lambda v: phonenumbers.is_valid_number(phonenumbers.parse(v)),
+        "eth": lambda v: re.fullmatch(r"0x[0-9a-f]{40}", v) is not None,
+        "btc": lambda v: v.startswith("bc1") and CryptoRecognizer().validate_result(v),
+        "mac": lambda v: re.fullmatch(r"(?:[0-9A-Fa-f]{2}[:\-]){5}[0-9A-Fa-f]{2}", v) is not None,
+        "ipv4": lambda v: ipaddress.ip_address(v).is_global,
+        "cidr": lambda v: bool(ipaddress.ip_network(v, strict=False)),
+        "hex_key": lambda v: re.fullmatch(r"[0-9a-f]{32}", v) is not None,
+        "gps": lambda v: abs(float(v.split(",")[0])) <= 90 and abs(float(v.split(",")[1])) <= 180,
+    }  # fmt: skip
+    return bool(checks[kind](value))
+
+
+SURROGATE_CASES = [
+    ("cpf", "NATIONAL_ID", "201.144.060-22"), ("sin", "NATIONAL_ID", "130 692 544"),
+    ("codice_fiscale", "NATIONAL_ID", "RSSMRA85T10A562S"), ("bsn", "NATIONAL_ID", "1112.22.333"),
+    ("pesel", "NATIONAL_ID", "84041249565"), ("dni", "NATIONAL_ID", "47680360A"),
+    ("ric", "NATIONAL_ID", "11010519491231002X"), ("rrn", "NATIONAL_ID", "971013-9019902"),
+    ("card", "CREDIT_CARD", "4539 1488 0343 6467"), ("iban", "IBAN_CODE", "DE89 3704 0044 0532 0130 00"),
+    ("phone", "PHONE_NUMBER", "+44 7911 123456"), ("phone", "PHONE_NUMBER", "+49 30 90182736"),
+    ("eth", "CRYPTO", "0x52908400098527886e0f7030069857d2e4169ee7"),
+    ("btc", "CRYPTO", "bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq"),
+    ("mac", "MAC_ADDRESS", "00:1A:2B:3C:4D:5E"),
+    ("ipv4", "IP_ADDRESS", "81.2.69.160"), ("cidr", "IP_ADDRESS", "81.2.69.0/24"),
+    ("hex_key", "CREDENTIAL", "9f2c4e1a7b3d5f6089a1b2c3d4e5f607"),
+    ("gps", "LOCATION_GPS", "52.52437, 13.41053"),
+]  # fmt: skip
+
+
+def test_every_surrogate_passes_its_kinds_validator():
+    from adaflash.governance.surrogates import Surrogates, fakers
+
+    fake = fakers(0)
+    for seed in range(5):
+        for kind, entity, value in SURROGATE_CASES:
+            assert _valid(kind, value), (kind, value)  # the case itself is valid
+            out = Surrogates(fake, f"record {seed}").surrogate(entity, value)
+            assert out != value and _valid(kind, out), (kind, value, out)
+
+
+def test_name_surrogates_keep_their_script():
+    from adaflash.governance.pii_scripts import script_of
+    from adaflash.governance.surrogates import Surrogates, fakers
+
+    names = [
+        "Иван Петров",
+        "王志强",
+        "محمد العلي",
+        "इन्द्र रंगन",
+        "Ευσταθία Καταραχιάς",
+        "伊藤さゆり",
+        "김민준",
+        "יואב כהן",
+    ]
+    sur = Surrogates(fakers(0), "names")
+    for name in names:
+        out = sur.surrogate("PERSON", name)
+        assert out != name and script_of(out) == script_of(name), (name, out)
+        assert len(out.split()) == len(name.split())
+    assert script_of(sur.surrogate("PERSON", "Tomasz Wiśniewski")) is None  # Latin stays Latin
+
+
+def test_probe_recall_on_both_parts(tmp_path, vocab, scrubber):
+    """Both parts of the issue-33 probe corpus through the real governor: >= 99% of records with no
+    planted value left outside split-turn placements, >= 95% with them; on the held-back part no
+    kind below 90%, and its misses are not printed (nobody tunes against them)."""
+    from adaflash.bench.pii_quality import probe_recall
+    from adaflash.governance.governor import GovernanceConfig, Governor
+    from tests.pii_probe import tuning_probes
+    from tests.pii_probe_heldback import heldback_probes
+
+    gov = Governor(GovernanceConfig(data_dir=tmp_path / "gov"), vocab, scrubber)
+    for part, probes in (("tuning", tuning_probes()), ("heldback", heldback_probes())):
+        r = probe_recall(gov, probes, seed=len(part))
+        print(part, r["recall"], r["recall_without_split"], r["misses"] if part == "tuning" else "")
+        assert r["recall_without_split"] >= 0.99 and r["recall"] >= 0.95, part
+        if part == "heldback":  # the acceptance's floor; the tuning part's known miss is printed above
+            assert min(r["by_kind"].values()) >= 0.9, {k: v for k, v in r["by_kind"].items() if v < 0.9}

@@ -173,7 +173,7 @@ _ODD_EMAIL = re.compile(
     r"[A-Za-z0-9\-]{1,63}(?:(?:\.|．|&#0*46;)[A-Za-z0-9\-]{1,63}){1,4}"
 )
 _KEY_CTX = re.compile(r"(?i)key|token|secret|passw|bearer|auth|credential|api")
-_HEX_KEY = re.compile(r"(?<![\w/+=\-])[0-9a-fA-F]{32,64}(?![\w/+=\-])")
+_HEX_KEY = re.compile(r"(?<![\w/+\-])[0-9a-fA-F]{32,64}(?![\w/+=\-])")
 
 
 def _odd_emails_and_keys(text: str, hits: list[Hit], regions: list) -> None:

@@ -146,8 +146,10 @@ def checksum_kind(s: str) -> tuple[str, bool] | None:
 
 def valid_kinds(s: str) -> list:
     """The validators `s` passes (a surrogate must pass the same ones)."""
+    from stdnum.kr import rrn  # found by its own rule (pii_kinds), validated all the same
+
     out = []
-    for _, ok, _ in _validators():
+    for ok in [v[1] for v in _validators()] + [rrn.is_valid]:
         try:
             if ok(s):
                 out.append(ok)

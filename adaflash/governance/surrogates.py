@@ -284,12 +284,16 @@ class Surrogates:
             except Exception:  # noqa: BLE001 - stdnum raises on some odd inputs (cn.ric: KeyError)
                 return False
 
-        # One check digit or letter: about 1 in 11 to 1 in 26 draws pass. Ids with a region or a
-        # birth date inside (cn.ric, fi.hetu) pass more often with their first six characters kept.
-        for i in range(600):
-            out = self._shape(value, keep=0 if i < 300 else 6)
-            if passes(out) and out != value:
-                return out
+        # The body is drawn, then the check character is searched for. Ids with a region or a
+        # birth date inside (cn.ric, pl.pesel, it.codicefiscale) rarely have a valid body when
+        # every digit is drawn, so later rounds keep more of the original's head.
+        last = "0123456789" + string.ascii_uppercase if value[-1:].isalnum() else value[-1:]
+        for keep in (0, 6, max(len(value) - 5, 0)):
+            for _ in range(60):
+                body = self._shape(value[:-1], keep=keep)
+                for c in last:
+                    if body + c != value and passes(body + c):
+                        return body + c
         return self._shape(value)
 
     def _phone(self, value: str) -> str:
