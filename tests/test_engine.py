@@ -238,3 +238,27 @@ def test_long_and_short_contexts_attend_in_separate_buckets(tiny64, trained):
     batch = PackedBatch.build([Segment(0, 400, [1]), *(Segment(i, 20 + i, [1, 2]) for i in range(1, 6))])
     groups = _attention_groups(batch)
     assert sorted(g.span for g in groups) == [27, 401]
+
+
+def test_the_engine_packs_its_target_and_drafter_at_construction():
+    """A fresh target's and drafter's linear layers are packed before the first request (no caller
+    warms the engine by hand), and the packing forward leaves nothing behind: the first request
+    still decodes exactly the target's greedy continuation."""
+    from adaflash.models.targets import tiny_target
+
+    target = tiny_target(torch.float32, seed=7)
+    bundle = make_bundle(target, block_size=8, seed=7)
+    modules = [target.model, bundle.drafter]
+    modules += [m for layer in target.model.layers for m in (layer.self_attn, layer.mlp)]
+    modules += [m for layer in bundle.drafter.layers for m in (layer.self_attn, layer.mlp)]
+
+    def packed(module) -> bool:
+        return any(k.startswith("_frozen_") for k in vars(module))
+
+    assert not any(packed(m) for m in modules)
+    engine = Engine(target, bundle, EngineConfig(method="adaflash", calibrate=False), "v1")
+    assert all(packed(m) for m in modules)
+    assert engine.idle and engine.runner.last_num_rows == 0
+    req = engine.submit(Request(PROMPTS[0], GenParams(max_tokens=24, temperature=0)))
+    engine.run_until_idle()
+    assert req.output_ids == ar_reference(target, [PROMPTS[0]], 24)[0]

@@ -96,17 +96,6 @@ def _engine(target: Target, bundle: DrafterBundle | None, concurrency: int, max_
     return Engine(target, bundle, cfg, drafter_version="experiment")
 
 
-def _warm_up(target: Target) -> None:
-    """An untimed request before the first timed cell: a process's first engine packs the
-    target's weights and loads the kernels, which ran inside round 0's first AR cell (40 against
-    99 tok/s for the second) and inflated every round-0 ratio to AR. The serving bench's
-    warm-up, one short cell."""
-    from adaflash.bench.serving import run_cell
-
-    ids = target.tokenizer.chat_prompt("def warm_up():")
-    run_cell(_engine(target, None, 1, len(ids) + 8), [ids], "ar", 1, 2)
-
-
 def serve_records(
     target: Target,
     bundle: DrafterBundle | None,
@@ -302,8 +291,6 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
         for n in spec.learners
     ]
     tenants = [f"tenant-{i}" for i in range(spec.tenants)]
-    if len(rows) < spec.rounds:
-        _warm_up(target)
     for r in range(len(rows), spec.rounds):
         batch = prompts[r * spec.per_round : (r + 1) * spec.per_round]
         ids = [target.tokenizer.chat_prompt(p.text) for p in batch]

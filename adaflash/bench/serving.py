@@ -204,10 +204,7 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
             probe_every=spec.probe_every,
         ),
         drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
-    )
-    # Warm-up: first calls allocate and pick kernels; keep them out of every cell.
-    for m in spec.methods:
-        run_cell(engine, [prompts[spec.domains[0]][0][1]], m, 1, 4)
+    )  # the engine packs its weights as it is built
     cells = []
     warmups = {}
     for domain in spec.domains:
