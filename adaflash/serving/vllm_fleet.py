@@ -10,7 +10,8 @@ keeps a stable front port (`Front`, a TCP forwarder: what a Kubernetes Service d
   2. starts a second server with the new `--speculative-config` on a fresh port, waits for
      /health and one completion;
   3. points the front at it (new connections go there; open ones finish on the old server);
-  4. stops the old server once its connections have drained.
+  4. stops the old server once its exchanges in flight have finished (`Front.retire`: kept-alive
+     client connections move to the new server between requests).
 
 The switch itself (step 3) is a pointer swap; `switches` records how long each step took.
 If vLLM cannot start with the drafter (the export does not load), the set falls back to `ngram`
@@ -32,13 +33,20 @@ log = logging.getLogger(__name__)
 
 
 class Front:
-    """A TCP forwarder on a stable port to whichever upstream port is current."""
+    """A TCP forwarder on a stable port to whichever upstream port is current.
+
+    Clients keep HTTP/1.1 connections alive (the gateway's pool does), so switching only new
+    connections would leave them on the old server forever. A connection is moved between
+    requests instead: when a client sends bytes after a response has begun on its connection,
+    the previous exchange is over (HTTP/1.1 clients here do not pipeline), so the request goes to
+    the current upstream on a fresh upstream connection. `retire` waits for the old server's
+    exchanges in flight and moves its idle connections, so stopping it closes no client's socket."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.sock = socket.create_server((host, port))
         self.port = self.sock.getsockname()[1]
         self.upstream: int | None = None
-        self.active: dict[int, int] = {}  # upstream port -> open connections
+        self.conns: set[_Conn] = set()
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True, name="vllm-front").start()
 
@@ -48,7 +56,23 @@ class Front:
 
     def open_connections(self, port: int) -> int:
         with self._lock:
-            return self.active.get(port, 0)
+            return sum(c.port == port for c in self.conns)
+
+    def retire(self, port: int, quiet_s: float = 2.0, timeout: float = 300.0) -> float:
+        """Wait until no exchange is in flight on `port` (a response begun and quiet for `quiet_s`),
+        then move its idle connections to the current upstream. Returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            with self._lock:
+                busy = [c for c in self.conns if c.port == port and not c.idle(quiet_s)]
+            if not busy:
+                break
+            time.sleep(0.1)
+        with self._lock:
+            idle = [c for c in self.conns if c.port == port]
+        for c in idle:
+            c.move_if_idle(quiet_s)
+        return time.monotonic() - t0
 
     def close(self) -> None:
         self.sock.close()
@@ -59,46 +83,94 @@ class Front:
                 client, _ = self.sock.accept()
             except OSError:
                 return
-            with self._lock:
-                port = self.upstream
-                if port is not None:
-                    self.active[port] = self.active.get(port, 0) + 1
+            port = self.upstream
             if port is None:
                 client.close()
                 continue
-            threading.Thread(target=self._relay, args=(client, port), daemon=True).start()
+            threading.Thread(target=self._serve, args=(client, port), daemon=True).start()
 
-    def _relay(self, client: socket.socket, port: int) -> None:
+    def _serve(self, client: socket.socket, port: int) -> None:
         try:
-            upstream = socket.create_connection(("127.0.0.1", port), timeout=10)
-            upstream.settimeout(None)
+            conn = _Conn(self, client, port)
         except OSError:
             client.close()
-            self._done(port)
             return
-        t = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
-        t.start()
-        _pump(client, upstream)
-        t.join()
-        self._done(port)
-
-    def _done(self, port: int) -> None:
         with self._lock:
-            self.active[port] -= 1
+            self.conns.add(conn)
+        try:
+            conn.run()
+        finally:
+            with self._lock:
+                self.conns.discard(conn)
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+class _Conn:
+    """One client connection and its current upstream connection."""
+
+    def __init__(self, front: Front, client: socket.socket, port: int) -> None:
+        self.front, self.client, self.port = front, client, port
+        self.up = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.up.settimeout(None)
+        self.responded = False  # upstream bytes since the client's last request bytes
+        self.last_up = time.monotonic()
+        self.lock = threading.Lock()
+
+    def idle(self, quiet_s: float) -> bool:
+        return self.responded and time.monotonic() - self.last_up >= quiet_s
+
+    def run(self) -> None:
+        self._back(self.up)
+        try:
+            while data := self.client.recv(65536):
+                with self.lock:
+                    if self.responded and self.front.upstream not in (None, self.port):
+                        self._move(self.front.upstream)
+                    self.responded = False
+                    up = self.up
+                up.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (self.client, self.up):
+                _close(s)
+
+    def move_if_idle(self, quiet_s: float) -> None:
+        with self.lock:
+            target = self.front.upstream
+            if self.idle(quiet_s) and target not in (None, self.port):
+                self._move(target)
+
+    def _move(self, port: int) -> None:  # holds self.lock
+        old = self.up
+        self.up = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.up.settimeout(None)
+        self.port = port
+        _close(old)  # its reader sees it is no longer current and leaves the client open
+        self._back(self.up)
+
+    def _back(self, up: socket.socket) -> None:
+        threading.Thread(target=self._relay_back, args=(up,), daemon=True).start()
+
+    def _relay_back(self, up: socket.socket) -> None:
+        try:
+            while data := up.recv(65536):
+                with self.lock:
+                    self.responded, self.last_up = True, time.monotonic()
+                self.client.sendall(data)
+        except OSError:
+            pass
+        with self.lock:
+            current = up is self.up
+        if current:  # the server closed the connection: so does the front, to the client
+            _close(self.client)
+
+
+def _close(s: socket.socket) -> None:
     try:
-        while data := src.recv(65536):
-            dst.sendall(data)
+        s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-    finally:
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    s.close()
 
 
 @dataclass
@@ -107,7 +179,7 @@ class Switch:
     method: str  # what vLLM runs: dflash, or ngram where the drafter did not load
     export_s: float
     start_s: float  # new server: start to /health + one completion
-    drain_s: float  # old server: front switched to its last connection closed
+    drain_s: float  # old server: front switched to its last exchange finished
     total_s: float
     fallback_reason: str | None = None
 
@@ -172,13 +244,10 @@ class VllmReplicas:
             raise
         return server
 
-    def _retire(self, old, timeout: float = 120.0) -> float:
+    def _retire(self, old) -> float:
         if old is None:
             return 0.0
-        t0 = time.monotonic()
-        while self.front.open_connections(old.port) and time.monotonic() - t0 < timeout:
-            time.sleep(0.1)
-        drained = time.monotonic() - t0
+        drained = self.front.retire(old.port)
         old.stop()
         return drained
 
