@@ -37,6 +37,96 @@ def _prefill(
     return cache, first, out.features
 
 
+class _Slots:
+    """One `greedy_generate` call's state: which prompt each slot serves (-1: free), what every
+    prompt has generated, the shared KV cache and the next token of each slot."""
+
+    def __init__(
+        self,
+        model: TargetModel,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos: set[int],
+        slots: int,
+        capture: tuple[int, ...],
+        on_done: Callable[[int, list[int]], None] | None,
+        on_features: Callable[[int, torch.Tensor], None] | None,
+    ) -> None:
+        self.model, self.prompts, self.max_new_tokens, self.eos = model, prompts, max_new_tokens, eos
+        self.slots, self.capture, self.on_done, self.on_features = slots, capture, on_done, on_features
+        self.capacity = max(len(p) for p in prompts) + max_new_tokens + 1
+        self.results: list[list[int]] = [[] for _ in prompts]
+        self.finished = [False] * len(prompts)
+        self.queue = list(range(len(prompts)))
+        self.owner = [-1] * slots
+        self.cache = model.new_cache(slots, self.capacity)
+        self.nxt = torch.zeros(slots, dtype=torch.long)
+        self.feats: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def free(self) -> int:
+        return sum(o < 0 for o in self.owner)
+
+    def record(self, slot: int, tok: int) -> None:
+        i = self.owner[slot]
+        self.results[i].append(tok)
+        if tok in self.eos or len(self.results[i]) >= self.max_new_tokens:
+            self.finished[i] = True
+            if self.capture:
+                self.on_features(i, torch.cat(self.feats.pop(i)))
+            if self.on_done is not None:
+                self.on_done(i, self.results[i])
+            self.owner[slot] = -1
+            self.cache.lengths[slot] = 0  # a free slot computes garbage at position 0 until refilled
+
+    def admit(self, prefill_tokens: int) -> None:
+        """Queued prompts into the free slots, prefilled in length-sorted chunks of at most
+        `prefill_tokens` padded tokens: one padded batch of 128 prompts of mixed length wastes
+        most of its rows on padding (and gigabytes of cache)."""
+        free = [s for s in range(self.slots) if self.owner[s] < 0][: len(self.queue)]
+        if not free:
+            return
+        take = [self.queue.pop(0) for _ in free]
+        prompts = self.prompts
+        pairs = sorted(zip(free, take, strict=True), key=lambda st: len(prompts[st[1]]))
+        while pairs:
+            n = max(1, min(len(pairs), prefill_tokens // max(len(prompts[pairs[0][1]]), 1)))
+            while n > 1 and n * len(prompts[pairs[n - 1][1]]) > prefill_tokens:
+                n -= 1
+            chunk, pairs = pairs[:n], pairs[n:]
+            self._prefill(chunk)
+
+    def _prefill(self, chunk: list[tuple[int, int]]) -> None:
+        """Prefill (slot, prompt index) pairs on their own cache and copy it into their slots."""
+        sub, first, f = _prefill(self.model, [self.prompts[i] for _, i in chunk], self.capacity, self.capture)
+        if self.capture:
+            for j, (_, i) in enumerate(chunk):
+                self.feats[i] = [f[j, : len(self.prompts[i])].to(torch.float16)]
+        idx = torch.tensor([s for s, _ in chunk])
+        self.cache.k[:, idx], self.cache.v[:, idx] = sub.k, sub.v
+        self.cache.lengths[idx] = sub.lengths
+        self.nxt[idx] = first
+        for (s, i), tok in zip(chunk, first.tolist(), strict=True):
+            self.owner[s] = i
+            self.record(s, tok)  # the prefill's token is the first generated one
+
+    def decode(self) -> None:
+        """One greedy token for every slot; only live slots advance and record it."""
+        owner = self.owner
+        out = self.model(self.nxt[:, None], self.cache, capture_layers=self.capture)
+        # Free slots stay at length 0 and cannot outgrow the cache.
+        self.cache.commit(torch.tensor([o >= 0 for o in owner], dtype=torch.long))
+        if self.capture:
+            f16 = out.features[:, 0].to(torch.float16)
+            for s in range(self.slots):
+                if owner[s] >= 0:
+                    self.feats[owner[s]].append(f16[s : s + 1])
+        self.nxt = self.model.logits(out.hidden[:, -1]).argmax(-1)
+        for s in range(self.slots):
+            if owner[s] >= 0:
+                self.record(s, int(self.nxt[s]))
+
+
 @torch.no_grad()
 def greedy_generate(
     model: TargetModel,
@@ -63,74 +153,16 @@ def greedy_generate(
     0 .. L-2 of the L = prompt + response tokens (the last token is never fed). The drafter's
     features then cost no second target pass.
     """
-    n = len(prompts)
-    slots = min(slots, n)
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 1
-    eos = set(eos_token_ids)
-    results: list[list[int]] = [[] for _ in range(n)]
-    finished = [False] * n
-    queue = list(range(n))
-    owner = [-1] * slots  # prompt index in each slot, -1 = free
-    cache = model.new_cache(slots, capacity)
-    nxt = torch.zeros(slots, dtype=torch.long)
+    slots = min(slots, len(prompts))
     capture = tuple(capture_layers) if on_features is not None else ()
-    feats: dict[int, list[torch.Tensor]] = {}
-
-    def record(slot: int, tok: int) -> None:
-        i = owner[slot]
-        results[i].append(tok)
-        if tok in eos or len(results[i]) >= max_new_tokens:
-            finished[i] = True
-            if capture:
-                on_features(i, torch.cat(feats.pop(i)))
-            if on_done is not None:
-                on_done(i, results[i])
-            owner[slot] = -1
-            cache.lengths[slot] = 0  # a free slot computes garbage at position 0 until refilled
-
-    def admit() -> None:
-        free = [s for s in range(slots) if owner[s] < 0][: len(queue)]
-        if not free:
-            return
-        take = [queue.pop(0) for _ in free]
-        # Prefill in length-sorted chunks of <= prefill_tokens padded tokens: one padded batch of
-        # 128 prompts of mixed length wastes most of its rows on padding (and gigabytes of cache).
-        pairs = sorted(zip(free, take, strict=True), key=lambda st: len(prompts[st[1]]))
-        while pairs:
-            n = max(1, min(len(pairs), prefill_tokens // max(len(prompts[pairs[0][1]]), 1)))
-            while n > 1 and n * len(prompts[pairs[n - 1][1]]) > prefill_tokens:
-                n -= 1
-            chunk, pairs = pairs[:n], pairs[n:]
-            sub, first, f = _prefill(model, [prompts[i] for _, i in chunk], capacity, capture)
-            if capture:
-                for j, (_, i) in enumerate(chunk):
-                    feats[i] = [f[j, : len(prompts[i])].to(torch.float16)]
-            idx = torch.tensor([s for s, _ in chunk])
-            cache.k[:, idx], cache.v[:, idx] = sub.k, sub.v
-            cache.lengths[idx] = sub.lengths
-            nxt[idx] = first
-            for (s, i), tok in zip(chunk, first.tolist(), strict=True):
-                owner[s] = i
-                record(s, tok)  # the prefill's token is the first generated one
-
+    gen = _Slots(model, prompts, max_new_tokens, set(eos_token_ids), slots, capture, on_done, on_features)
     while deadline is None or time.time() < deadline:
-        n_free = sum(o < 0 for o in owner)
-        if queue and (n_free == slots or n_free >= max(1, int(refill_fraction * slots))):
-            admit()
-        if all(o < 0 for o in owner):
-            if not queue:
+        n_free = gen.free
+        if gen.queue and (n_free == slots or n_free >= max(1, int(refill_fraction * slots))):
+            gen.admit(prefill_tokens)
+        if gen.free == slots:
+            if not gen.queue:
                 break
             continue  # every admitted prompt finished at its first token: admit more
-        out = model(nxt[:, None], cache, capture_layers=capture)
-        # Only live slots advance; free ones stay at length 0 and cannot outgrow the cache.
-        cache.commit(torch.tensor([o >= 0 for o in owner], dtype=torch.long))
-        if capture:
-            f16 = out.features[:, 0].to(torch.float16)
-            for s in range(slots):
-                if owner[s] >= 0:
-                    feats[owner[s]].append(f16[s : s + 1])
-        nxt = model.logits(out.hidden[:, -1]).argmax(-1)
-        for s in range(slots):
-            if owner[s] >= 0:
-                record(s, int(nxt[s]))
-    return [r if r or done else None for r, done in zip(results, finished, strict=True)]
+        gen.decode()
+    return [r if r or done else None for r, done in zip(gen.results, gen.finished, strict=True)]

@@ -174,23 +174,7 @@ class RegistryClient(RegistryReader):
         `gate` = (decision, reason) of the shadow gate, tagged on the version: `promote` refuses
         a rejected version unless the promotion is a recorded override."""
         d = Path(drafter_dir)
-        missing = [f for f in REQUIRED_FILES if not (d / f).is_file()]
-        if missing:
-            raise RegistryError(f"{d} is not a drafter directory: missing {', '.join(missing)}")
-        try:
-            meta = json.loads((d / "adaflash.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RegistryError(f"{d / 'adaflash.json'} is corrupt: {e}") from None
-        if meta.get("target_fingerprint") != self.target_fingerprint:
-            raise RegistryError(
-                f"drafter {d} was trained for target fingerprint {meta.get('target_fingerprint')}, "
-                f"not this registry's {self.target_fingerprint}"
-            )
-        if self.check_drafter is not None:
-            try:
-                self.check_drafter(d)
-            except Exception as e:  # noqa: BLE001 - CheckpointError and whatever a loader raises
-                raise RegistryError(f"refusing to register {d}: {str(e).splitlines()[0]}") from None
+        self._check_registrable(d)
         try:
             lin = lineage if isinstance(lineage, Lineage) else Lineage.model_validate(lineage or {})
         except ValidationError as e:
@@ -200,23 +184,9 @@ class RegistryClient(RegistryReader):
         code = code_version or current_code_version()
         who = who or default_who()
         with self._mlflow("register drafter"):
-            from mlflow.entities import Metric
-
             self._ensure_model()
-            run = self._client.create_run(
-                self._experiment_id(),
-                run_name=f"register {d.name}",
-                tags={T_CODE: code, T_FINGERPRINT: self.target_fingerprint, **lin.tags()},
-            )
+            run = self._log_registration(d, lin, flat, code, reports or {})
             run_id = run.info.run_id
-            self._client.log_artifacts(run_id, str(d), DRAFTER_ARTIFACT)
-            self._client.log_dict(run_id, lin.model_dump(mode="json"), "lineage.json")
-            for name, body in (reports or {}).items():
-                self._client.log_dict(run_id, body, f"{name}.json")
-            ts = int(now_utc().timestamp() * 1000)
-            numeric = [Metric(k, float(v), ts, 0) for k, v in flat.items() if isinstance(v, int | float)]
-            if numeric:
-                self._client.log_batch(run_id, metrics=numeric)
             tags = {
                 T_FINGERPRINT: self.target_fingerprint,
                 T_CODE: code,
@@ -240,18 +210,64 @@ class RegistryClient(RegistryReader):
             )
             version = as_version(mv.version)
             if as_challenger:
-                old = self._aliases().get(CHALLENGER)
-                if old and old != version:  # the superseded candidate no longer waits for approval
-                    old_tags = self._model_version(old).tags
-                    superseded = {T_STATUS: "registered"}
-                    if old_tags.get(T_APPROVAL, "").lower() == PENDING:
-                        superseded[T_APPROVAL] = SUPERSEDED
-                    self._set_tags(old, superseded)
-                self._set_alias(CHALLENGER, version)
+                self._take_challenger(version)
             self._client.set_tag(run_id, "adaflash.version", version)
             self._record("registered", version, who, reason, alias=CHALLENGER if as_challenger else None,
                          run_id=run_id)  # fmt: skip
         return version
+
+    def _check_registrable(self, d: Path) -> None:
+        """A drafter directory for this registry's target that a server would load, or a
+        RegistryError that says why not."""
+        missing = [f for f in REQUIRED_FILES if not (d / f).is_file()]
+        if missing:
+            raise RegistryError(f"{d} is not a drafter directory: missing {', '.join(missing)}")
+        try:
+            meta = json.loads((d / "adaflash.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RegistryError(f"{d / 'adaflash.json'} is corrupt: {e}") from None
+        if meta.get("target_fingerprint") != self.target_fingerprint:
+            raise RegistryError(
+                f"drafter {d} was trained for target fingerprint {meta.get('target_fingerprint')}, "
+                f"not this registry's {self.target_fingerprint}"
+            )
+        if self.check_drafter is not None:
+            try:
+                self.check_drafter(d)
+            except Exception as e:  # noqa: BLE001 - CheckpointError and whatever a loader raises
+                raise RegistryError(f"refusing to register {d}: {str(e).splitlines()[0]}") from None
+
+    def _log_registration(self, d: Path, lin: Lineage, flat: dict, code: str, reports: dict[str, dict]):
+        """The registration's MLflow run: the drafter directory, its lineage, the reports and the
+        numeric metrics; returns the run."""
+        from mlflow.entities import Metric
+
+        run = self._client.create_run(
+            self._experiment_id(),
+            run_name=f"register {d.name}",
+            tags={T_CODE: code, T_FINGERPRINT: self.target_fingerprint, **lin.tags()},
+        )
+        run_id = run.info.run_id
+        self._client.log_artifacts(run_id, str(d), DRAFTER_ARTIFACT)
+        self._client.log_dict(run_id, lin.model_dump(mode="json"), "lineage.json")
+        for name, body in reports.items():
+            self._client.log_dict(run_id, body, f"{name}.json")
+        ts = int(now_utc().timestamp() * 1000)
+        numeric = [Metric(k, float(v), ts, 0) for k, v in flat.items() if isinstance(v, int | float)]
+        if numeric:
+            self._client.log_batch(run_id, metrics=numeric)
+        return run
+
+    def _take_challenger(self, version: str) -> None:
+        """Point `challenger` at `version`; the candidate it replaces no longer waits for approval."""
+        old = self._aliases().get(CHALLENGER)
+        if old and old != version:
+            old_tags = self._model_version(old).tags
+            superseded = {T_STATUS: "registered"}
+            if old_tags.get(T_APPROVAL, "").lower() == PENDING:
+                superseded[T_APPROVAL] = SUPERSEDED
+            self._set_tags(old, superseded)
+        self._set_alias(CHALLENGER, version)
 
     def promote(
         self, ref: str | int, who: str | None = None, reason: str = "", *, override_gate: bool = False
