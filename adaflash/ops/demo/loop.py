@@ -99,10 +99,11 @@ def promotion(s: Session, version: str, champion_before: str) -> dict:
 
 
 def lineage(s: Session, version: str) -> dict:
+    from adaflash.governance.config import GovernanceConfig
     from adaflash.governance.lineage import LineageStore
 
     s.step("9. lineage, both ways")
-    store = LineageStore(s.gov_dir / "lineage.sqlite")
+    store = LineageStore(GovernanceConfig(s.gov_dir).lineage_path)
     try:
         ids = store.records_for_version(version)
         rec = store.record(ids[0]) if ids else None

@@ -98,10 +98,11 @@ def plant_anomalies(s: Session) -> int:
 
 
 def governance(s: Session, expected: int) -> dict:
+    from adaflash.governance.config import GovernanceConfig
     from adaflash.governance.lineage import LineageStore
 
     s.step("5. governance: Presidio scrub, Great Expectations checks, filters, buffer, lineage")
-    store = LineageStore(s.gov_dir / "lineage.sqlite")
+    store = LineageStore(GovernanceConfig(s.gov_dir).lineage_path)
     try:
         with s.console.status(f"waiting for governance to account for {expected} records..."):
             wait(
