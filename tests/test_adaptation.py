@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from adaflash.bench.adaptation import AdaptationSpec, run_adaptation, write_outputs
+from adaflash.bench.adaptation import AdaptationSpec, run_adaptation
+from adaflash.bench.adaptation_report import write_outputs
 from adaflash.models.checkpoint import save_drafter
 from tests.conftest import make_bundle
 

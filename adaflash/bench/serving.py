@@ -190,76 +190,16 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
     warm = {d: rows[: spec.warm] if len(rows) > spec.warm else [] for d, rows in every.items()}
     prompts = {d: rows[len(warm[d]) :] for d, rows in every.items()}
     longest = max(len(ids) for rows in every.values() for _, ids in rows)
-    engine = Engine(
-        target,
-        bundle,
-        EngineConfig(
-            method=spec.methods[-1].removesuffix(NOCACHE),
-            gamma=spec.gamma,
-            max_running=max(spec.concurrency),
-            max_queue=max(max(spec.concurrency), 8),
-            max_model_len=longest + spec.max_new_tokens + 1,
-            step_token_budget=max(spec.concurrency) * (bundle.config.block_size if bundle else 1),
-            shadow_a_hat=True,
-            probe_every=spec.probe_every,
-        ),
-        drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
-    )  # the engine packs its weights as it is built
+    engine = bench_engine(target, bundle, spec, longest)  # packs its weights as it is built
     cells = []
     warmups = {}
     for domain in spec.domains:
         if warm[domain]:
-            from adaflash.bench.warmup import warm_suffix_cache  # governance: Presidio loads on first use
-
-            log(f"{domain}: warming the suffix cache with {len(warm[domain])} served + governed prompts ...")
-            w = warmups[domain] = warm_suffix_cache(
-                engine, [ids for _, ids in warm[domain]], f"bench-{domain}", spec.max_new_tokens
-            )
-            why = w["quarantined"] or "none"
-            log(
-                f"{domain}: {w['clean']}/{w['served']} clean, learned {w['learned']}, quarantined {why} "
-                f"(served in {w['serve_s']:.0f} s, governed in {w['govern_s']:.0f} s)"
-            )
+            warmups[domain] = warm_domain(engine, spec, domain, [ids for _, ids in warm[domain]], log)
         for conc in spec.concurrency:
             rows = [ids for _, ids in prompts[domain][: n_cell[conc]]]
-            runs: dict[str, list[tuple[dict, list[list[int]]]]] = {m: [] for m in spec.methods}
-            # Repeats alternate the method order (forward, reversed, ...) so that a drift of the
-            # machine's speed does not favour whichever method runs first.
-            for rep in range(spec.repeats):
-                for method in spec.methods if rep % 2 == 0 else spec.methods[::-1]:
-                    runs[method].append(
-                        run_cell(engine, rows, method, conc, spec.max_new_tokens, f"bench-{domain}")
-                    )
-            for method in spec.methods:
-                # The fastest run stands for the cell: on a shared machine noise only slows a run.
-                cell, _ = max(runs[method], key=lambda run: run[0]["tps"])
-                cell["domain"] = domain
-                cell["tps_runs"] = [c["tps"] for c, _ in runs[method]]
-                cell["tps_mean"] = sum(cell["tps_runs"]) / len(cell["tps_runs"])
-                if "ar" in runs:  # every run of every method, against AR's first
-                    ref = runs["ar"][0][1]
-                    cell["identical_to_ar"] = min(
-                        sum(a == b for a, b in zip(outs, ref, strict=True)) for _, outs in runs[method]
-                    )
-                cells.append(cell)
-                log(
-                    f"{domain:6s} C={conc:<3d} {method:9s} {cell['tps']:8.2f} tok/s  τ={cell['tau']:.3f}  "
-                    f"k̂={cell['mean_verify_len']:.2f}  wall={cell['wall_s']:.1f}s  "
-                    f"cpu={cell['cpu_share']:.2f}  runs={'/'.join(f'{t:.1f}' for t in cell['tps_runs'])}"
-                )
-    for c in cells:
-        ar = next(
-            (
-                x
-                for x in cells
-                if x["method"] == "ar" and x["domain"] == c["domain"] and x["concurrency"] == c["concurrency"]
-            ),
-            None,
-        )
-        c["speedup_vs_ar"] = c["tps"] / ar["tps"] if ar else None
-        # The mean of runs beside the best run's ratio (a bar met only by the best run is not met).
-        c["speedup_mean_vs_ar"] = c["tps_mean"] / ar["tps_mean"] if ar else None
-        c["speedup_cpu_vs_ar"] = c["tps_cpu"] / ar["tps_cpu"] if ar else None
+            cells += domain_cells(engine, spec, domain, conc, rows, log)
+    add_speedups(cells)
     result = {
         "spec": {
             **asdict(spec),
@@ -276,6 +216,94 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
         "prompts": {d: [pid for pid, _ in rows] for d, rows in prompts.items()},
         "warmup": {"prompts": {d: [pid for pid, _ in rows] for d, rows in warm.items()}, "governed": warmups},
     }
+    result.update(peer_rows(target, bundle, spec, prompts, n_cell, cells, log))
+    return result
+
+
+def bench_engine(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, longest: int) -> Engine:
+    """One engine for every cell: room for the largest concurrency and the longest prompt."""
+    return Engine(
+        target,
+        bundle,
+        EngineConfig(
+            method=spec.methods[-1].removesuffix(NOCACHE),
+            gamma=spec.gamma,
+            max_running=max(spec.concurrency),
+            max_queue=max(max(spec.concurrency), 8),
+            max_model_len=longest + spec.max_new_tokens + 1,
+            step_token_budget=max(spec.concurrency) * (bundle.config.block_size if bundle else 1),
+            shadow_a_hat=True,
+            probe_every=spec.probe_every,
+        ),
+        drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
+    )
+
+
+def warm_domain(engine: Engine, spec: BenchSpec, domain: str, rows: list[list[int]], log) -> dict:
+    """Serve and govern a domain's warm-up prompts so that its suffix cache holds them."""
+    from adaflash.bench.warmup import warm_suffix_cache  # governance: Presidio loads on first use
+
+    log(f"{domain}: warming the suffix cache with {len(rows)} served + governed prompts ...")
+    w = warm_suffix_cache(engine, rows, f"bench-{domain}", spec.max_new_tokens)
+    why = w["quarantined"] or "none"
+    log(
+        f"{domain}: {w['clean']}/{w['served']} clean, learned {w['learned']}, quarantined {why} "
+        f"(served in {w['serve_s']:.0f} s, governed in {w['govern_s']:.0f} s)"
+    )
+    return w
+
+
+def domain_cells(engine: Engine, spec: BenchSpec, domain: str, conc: int, rows: list[list[int]],
+                 log) -> list[dict]:  # fmt: skip
+    """One cell per method at concurrency `conc` on `rows`: `spec.repeats` runs each."""
+    runs: dict[str, list[tuple[dict, list[list[int]]]]] = {m: [] for m in spec.methods}
+    # Repeats alternate the method order (forward, reversed, ...) so that a drift of the
+    # machine's speed does not favour whichever method runs first.
+    for rep in range(spec.repeats):
+        for method in spec.methods if rep % 2 == 0 else spec.methods[::-1]:
+            runs[method].append(run_cell(engine, rows, method, conc, spec.max_new_tokens, f"bench-{domain}"))
+    cells = []
+    for method in spec.methods:
+        # The fastest run stands for the cell: on a shared machine noise only slows a run.
+        cell, _ = max(runs[method], key=lambda run: run[0]["tps"])
+        cell["domain"] = domain
+        cell["tps_runs"] = [c["tps"] for c, _ in runs[method]]
+        cell["tps_mean"] = sum(cell["tps_runs"]) / len(cell["tps_runs"])
+        if "ar" in runs:  # every run of every method, against AR's first
+            ref = runs["ar"][0][1]
+            cell["identical_to_ar"] = min(
+                sum(a == b for a, b in zip(outs, ref, strict=True)) for _, outs in runs[method]
+            )
+        cells.append(cell)
+        log(
+            f"{domain:6s} C={conc:<3d} {method:9s} {cell['tps']:8.2f} tok/s  τ={cell['tau']:.3f}  "
+            f"k̂={cell['mean_verify_len']:.2f}  wall={cell['wall_s']:.1f}s  "
+            f"cpu={cell['cpu_share']:.2f}  runs={'/'.join(f'{t:.1f}' for t in cell['tps_runs'])}"
+        )
+    return cells
+
+
+def add_speedups(cells: list[dict]) -> None:
+    """Each cell's speed-ups against AR's cell of the same domain and concurrency."""
+    for c in cells:
+        ar = next(
+            (
+                x
+                for x in cells
+                if x["method"] == "ar" and x["domain"] == c["domain"] and x["concurrency"] == c["concurrency"]
+            ),
+            None,
+        )
+        c["speedup_vs_ar"] = c["tps"] / ar["tps"] if ar else None
+        # The mean of runs beside the best run's ratio (a bar met only by the best run is not met).
+        c["speedup_mean_vs_ar"] = c["tps_mean"] / ar["tps_mean"] if ar else None
+        c["speedup_cpu_vs_ar"] = c["tps_cpu"] / ar["tps_cpu"] if ar else None
+
+
+def peer_rows(target: Target, bundle, spec: BenchSpec, prompts: dict, n_cell: dict, cells: list[dict],
+              log) -> dict:  # fmt: skip
+    """What our AR is measured against: transformers.generate, the machine's bounds, llama.cpp."""
+    result: dict = {}
     if spec.hf_baseline and "ar" in spec.methods:
         log("transformers.generate baseline ...")
         model = hf_model(target)

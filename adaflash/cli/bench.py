@@ -78,13 +78,13 @@ def bench(
     max_prompt_tokens: Annotated[int, typer.Option(help="leave out longer prompts")] = 1024,
 ) -> None:
     """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
-    from adaflash.bench.serving import BenchSpec, run_bench, serve_peak_rss
+    from adaflash.bench.serving import BenchSpec, run_bench
     from adaflash.bench.serving_report import write_outputs
 
     spec = BenchSpec(
         methods=csv(methods),
         concurrency=[int(c) for c in csv(concurrency)],
-        domains=csv(domains),
+        domains=_bench_domains(domains, prompts),
         prompts_per_cell=prompts_per_cell,
         min_prompts=min_prompts,
         max_new_tokens=max_new_tokens,
@@ -99,20 +99,33 @@ def bench(
         warm=warm,
         max_prompt_tokens=max_prompt_tokens,
     )
-    if prompts is not None and "file" not in spec.domains:  # the file alone, unless domains were named
-        spec.domains = ["file"] if domains == "math,code,chat,blend" else [*spec.domains, "file"]
     model_free = ("ar", "ngram", "suffix")
     if any(m.removesuffix("-nocache") not in model_free for m in spec.methods) and drafter is None:
         raise InputError("methods other than ar, ngram and suffix need --drafter DIR")
     tgt, bundle = load(target, drafter, dtype)
     result = run_bench(tgt, bundle, spec, log=log)
     if serve_rss:
-        from adaflash.workloads import interleave, load_prompts
-
-        texts = [p.text for p in interleave(load_prompts("heldout", data_dir))][:serve_rss]
-        result["serve_rss"] = serve_peak_rss(target, drafter, texts, serve_rss, max_new_tokens, log)
+        result["serve_rss"] = _serve_rss(target, drafter, data_dir, serve_rss, max_new_tokens)
     for f in write_outputs(result, out):
         console.print(str(f))
+
+
+def _bench_domains(domains: str, prompts: Path | None) -> list[str]:
+    """--domains, and the --prompts file's own domain: the file alone, unless domains were named."""
+    names = csv(domains)
+    if prompts is None or "file" in names:
+        return names
+    return ["file"] if domains == "math,code,chat,blend" else [*names, "file"]
+
+
+def _serve_rss(target: str, drafter: Path | None, data_dir: Path | None, concurrency: int,
+               max_new_tokens: int) -> dict:  # fmt: skip
+    """`serve`'s peak RSS with `concurrency` held-out prompts in flight."""
+    from adaflash.bench.serving import serve_peak_rss
+    from adaflash.workloads import interleave, load_prompts
+
+    texts = [p.text for p in interleave(load_prompts("heldout", data_dir))][:concurrency]
+    return serve_peak_rss(target, drafter, texts, concurrency, max_new_tokens, log)
 
 
 @app.command()
@@ -145,7 +158,8 @@ def adapt(
 ) -> None:
     """Online adaptation experiment: OSD, FKL and AdaFlash retraining on shifted traffic, DFlash
     frozen. Resumable: a rerun with the same options continues after the last finished round."""
-    from adaflash.bench.adaptation import LEARNERS, AdaptationSpec, run_adaptation, write_outputs
+    from adaflash.bench.adaptation import LEARNERS, AdaptationSpec, run_adaptation
+    from adaflash.bench.adaptation_report import write_outputs
 
     names = csv(learners)
     bad = [x for x in names if x not in LEARNERS]

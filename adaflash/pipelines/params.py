@@ -20,6 +20,9 @@ _PRODUCTION = {"profile": "production"}  # the field exists in the production bu
 
 @dataclass(frozen=True)
 class PipelineParams:
+    """Every parameter of the pipeline and its default; the fields marked production exist in
+    that build only. While a build compiles, the values are KFP's pipeline channels."""
+
     target: str
     governance_dir: str
     tracking_uri: str
@@ -50,12 +53,10 @@ class PipelineParams:
     # A window of more training records than this trains data-parallel. Set it to what one GPU
     # trains within the schedule's budget (not measured here: these machines have no GPU).
     max_records_per_gpu: int = field(default=20000, metadata=_PRODUCTION)
-    train_workers: int = field(
-        default=2, metadata=_PRODUCTION
-    )  # PyTorchJob pods, one GPU each; must divide grad_accum
-    train_namespace: str = field(
-        default="adaflash", metadata=_PRODUCTION
-    )  # where the PVCs are: the job's pods mount them
+    # PyTorchJob pods, one GPU each; must divide grad_accum
+    train_workers: int = field(default=2, metadata=_PRODUCTION)
+    # where the PVCs are: the job's pods mount them
+    train_namespace: str = field(default="adaflash", metadata=_PRODUCTION)
     train_timeout_minutes: int = field(default=360, metadata=_PRODUCTION)
 
     @classmethod
