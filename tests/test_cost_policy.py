@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from adaflash.serving.costs import AcceptanceStats, Candidate, CostCurve, StepCosts, TargetCost, choose
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
-from adaflash.serving.proposer import EXPLORE_EVERY
+from adaflash.serving.policy import EXPLORE_EVERY
 from tests.conftest import ar_reference, make_bundle
 from tests.test_speculative import (
     _chi2_pvalue,
@@ -197,7 +197,7 @@ def test_without_a_queue_only_the_longest_requests_draft_and_only_all_together()
     request (or for some of the longest only) saves no step; the plan drafts for every longest
     request or for none."""
     from adaflash.serving.costs import Option
-    from adaflash.serving.proposer import Proposer
+    from adaflash.serving.lockstep import critical
 
     def req(done: int) -> Request:
         r = Request([1, 2, 3], GenParams(max_tokens=40, temperature=0.0))
@@ -206,9 +206,9 @@ def test_without_a_queue_only_the_longest_requests_draft_and_only_all_together()
 
     reqs = [req(10), req(11), req(30)]  # 30, 29 and 10 tokens left: the first two are the longest
     d, n, none = Option("drafter", 4, 0.0), Option("ngram", 2, 0.0), Option("none", 0, 0.0)
-    assert Proposer._critical(reqs, [d, n, d]) == [d, n, none]  # the short one never drafts
-    assert Proposer._critical(reqs, [d, none, d]) == [none] * 3  # one longest AR round: no step saved
-    assert Proposer._critical(reqs, [none, none, d]) == [none] * 3
+    assert critical(reqs, [d, n, d]) == [d, n, none]  # the short one never drafts
+    assert critical(reqs, [d, none, d]) == [none] * 3  # one longest AR round: no step saved
+    assert critical(reqs, [none, none, d]) == [none] * 3
 
 
 def test_a_lockstep_plan_is_valued_by_the_expected_minimum_of_its_requests_acceptance():
@@ -216,22 +216,19 @@ def test_a_lockstep_plan_is_valued_by_the_expected_minimum_of_its_requests_accep
     accepting a first draft with p = 0.6 save 0.6^8 steps, so a plan that pays for itself on the
     sum of expected tokens (4.8 for ~1.5x the step's time) runs plain; one request drafting alone
     keeps its draft."""
-    from types import SimpleNamespace
-
     from adaflash.serving.costs import Candidate, Option, lockstep_gain
-    from adaflash.serving.proposer import Proposer
+    from adaflash.serving.lockstep import lockstep
 
     assert lockstep_gain([[0.6]] * 8) == pytest.approx(0.6**8)
     assert lockstep_gain([[0.9, 0.8], [0.5]]) == pytest.approx(0.45)  # min ≤ 1 draft: one term
     assert lockstep_gain([[0.9, 0.8], [0.5, 0.5]]) == pytest.approx(0.45 + 0.4)
 
     costs = _costs({1: 0.10, 8: 0.12, 16: 0.15, 64: 0.3}, {1: 0.01, 8: 0.02}, {1: 0.001, 64: 0.01})
-    owner = SimpleNamespace(costs=costs, _penalty=1.0)
     cand = Candidate([0.6], 1, [], 0)
     ngram, none = Option("ngram", 1, 0.6), Option("none", 0, 0.0)
-    assert Proposer._lockstep(owner, [cand] * 8, [ngram] * 8, 8, 0, 8) == [none] * 8
+    assert lockstep(costs, 1.0, [cand] * 8, [ngram] * 8, 8, 0, 8) == [none] * 8
     alone = [ngram] + [none] * 7  # one longest request: its draft saves a wave step with p = 0.6
-    assert Proposer._lockstep(owner, [cand] * 8, alone, 8, 0, 8) == alone
+    assert lockstep(costs, 1.0, [cand] * 8, alone, 8, 0, 8) == alone
 
 
 def test_guard_keeps_a_noisy_drafter_that_wins_on_average_and_prices_out_one_that_loses():

@@ -3,8 +3,9 @@
 One step (vLLM/SGLang style — the scheduler decides what runs, the runner how):
   1. between steps only: apply a staged drafter swap (hot reload), drop cancelled requests;
   2. admit waiting requests (EMA admission, `Scheduler`);
-  3. proposals for every running request (`Proposer`: drafter block + length head, n-gram
-     lookup, or the cost-aware choice between them), drafter logits only for kept positions;
+  3. proposals for every running request (`CostPolicy`: the drafter's block + length head, prompt
+     lookup, the suffix cache, or the cost-aware choice among them), drafter logits only for kept
+     positions;
   4. ONE packed target forward over [prefills of the admitted] + [Σ k̂_i verify tokens];
   5. verify each request (`verifier`: greedy or speculative sampling), commit the anchor and the
      accepted drafts, extend the drafter context with their target features, record the round
@@ -34,7 +35,8 @@ from adaflash.models.targets import Target
 from adaflash.serving import verifier
 from adaflash.serving.calibration import calibrate
 from adaflash.serving.config import EngineConfig, StepStats
-from adaflash.serving.proposer import Proposer, ProposerConfig
+from adaflash.serving.policy import CostPolicy
+from adaflash.serving.proposer import ProposerConfig
 from adaflash.serving.proposer import clock as policy_clock
 from adaflash.serving.request import (
     DRAFTER_METHODS,
@@ -79,7 +81,7 @@ class Engine(StepLoop):
         )
         self.eos = set(target.tokenizer.eos_token_ids)
         self.suffix_cache = SuffixCache(c.suffix)
-        self.proposer = Proposer(self.model, ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every),
+        self.proposer = CostPolicy(self.model, ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every),
                                  c.max_running, self.capacity, self.suffix_cache)  # fmt: skip
         self.proposer.install(drafter, drafter_version)
         self._pack()

@@ -6,23 +6,59 @@
   tenant's earlier governed responses (`SuffixCache`), frequency-scored, the draft length
   adapting to the match.
 
-Each answers `propose(request, room)` with at most `room` draft tokens. The cost policy
-(`proposer.py`) decides which one, if any, a round verifies and how many of its drafts.
+Each answers `propose(request, room)` with at most `room` draft tokens (the `Proposer` interface
+of `proposer.py`). The cost policy (`policy.py`) decides which one, if any, a round verifies and
+how many of its drafts.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import overload
 
 from adaflash.models.suffix import Draft, SuffixConfig, SuffixIndex
 from adaflash.serving.request import Request
 from adaflash.serving.suffix_cache import SuffixCache
 
 
-class LookupProposer(Protocol):
-    name: str
+class TokenView(Sequence[int]):
+    """A prompt and its output as one read-only sequence, without copying either."""
 
-    def propose(self, req: Request, room: int) -> list[int]: ...
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, head: list[int], tail: list[int]) -> None:
+        self._head, self._tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._tail)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        h = len(self._head)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            if stop <= h:
+                return self._head[start:stop]
+            if start >= h:
+                return self._tail[start - h : stop - h]
+            return self._head[start:] + self._tail[: stop - h]
+        j = i + len(self) if i < 0 else i
+        if not 0 <= j < len(self):
+            raise IndexError(i)
+        return self._head[j] if j < h else self._tail[j - h]
+
+
+def history(req: Request) -> list[int]:
+    """The request's prompt and output as one list, kept by its prompt-lookup index and extended
+    by the tokens committed since the last call: `req.tokens` would copy the whole history for
+    every proposer at every priced step."""
+    req.lookup.sync(TokenView(req.prompt_ids, req.output_ids))
+    return req.lookup.seq
 
 
 class PromptLookupProposer:
@@ -31,7 +67,7 @@ class PromptLookupProposer:
     def propose(self, req: Request, room: int) -> list[int]:
         if room <= 0:
             return []
-        req.lookup.sync(req.tokens)
+        history(req)
         return req.lookup.propose(room)
 
 
@@ -42,7 +78,7 @@ class SuffixProposer:
         self.cache = cache
         self.config = config or (cache.config.index if cache is not None else SuffixConfig())
 
-    def _local(self, req: Request, tokens: list[int]) -> SuffixIndex:
+    def _local(self, req: Request, tokens: Sequence[int]) -> SuffixIndex:
         """The request's own suffix index over its prompt and output, grown with every token."""
         idx = req.suffix_index
         if idx is None or idx.tokens > len(tokens):  # new, or cut by a stop sequence
@@ -55,7 +91,7 @@ class SuffixProposer:
         """The better-scored of the request's own proposal and its tenant cache's."""
         if room <= 0:
             return None
-        tokens = req.tokens
+        tokens = history(req)
         best = self._local(req, tokens).propose(tokens, room)
         if self.cache is not None and self.cache.config.enabled and req.use_suffix_cache:
             shared = self.cache.propose(req.tenant_id, tokens, room)
@@ -66,6 +102,6 @@ class SuffixProposer:
     def propose(self, req: Request, room: int) -> list[int]:
         d = self.draft(req, room)
         # The draft's own estimate (the matching occurrences' agreement) travels with the request:
-        # the cost policy prices this round's suffix draft by it (`Proposer._lookup_survival`).
+        # the cost policy prices this round's suffix draft by it (`CostPolicy._lookup_survival`).
         req.suffix_probs = d.probs if d is not None else []
         return d.tokens if d is not None else []
