@@ -186,3 +186,45 @@ def test_cache_stays_within_its_caps_and_evicts_least_recently_used():
     kept = small.contents("t")
     assert [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] in kept and [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] not in kept
     assert not small.add("t", "new", [1, 2, 3, 4])  # a replayed record is not learned twice
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.booleans()), min_size=1, max_size=80),
+    st.booleans(),
+)
+def test_eviction_keeps_every_cap_and_its_token_count_under_any_traffic(ops, cross_tenant):
+    """Adds and proposals across tenants (with and without the cross-tenant index): the token
+    count the caps are held to is what the indexes hold, and each index evicts its own least
+    recently used response first."""
+    from adaflash.serving.suffix_cache import GLOBAL
+
+    cache = SuffixCache(SuffixCacheConfig(max_tokens_per_tenant=120, max_tokens=300, min_tokens=1,
+                                          cross_tenant=cross_tenant))  # fmt: skip
+    for i, (t, n, ask) in enumerate(ops):
+        tokens = [1000 + i] + [(i * 7 + j) % 50 for j in range(n)]  # unique: the first token
+        if ask:
+            cache.propose(f"t{t}", tokens[1:4], 4)
+        before = {name: cache.contents(name) for name in [*cache.tenants(), GLOBAL]}
+        cache.add(f"t{t}", f"r{i}", tokens)
+        names = [*cache.tenants(), GLOBAL]
+        held = {name: cache.contents(name) for name in names}
+        assert cache.stats().tokens == sum(len(s) for seqs in held.values() for s in seqs) <= 300
+        assert all(sum(map(len, held[name])) <= 120 for name in cache.tenants())
+        for name in names:  # what an index lost is a prefix of its LRU order
+            old = [s for s in before.get(name, []) if s != tokens]
+            gone = [s for s in old if s not in held[name]]
+            assert gone == old[: len(gone)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=6), st.lists(st.integers(0, 9), max_size=6),
+       st.integers(-14, 14), st.integers(-14, 14))  # fmt: skip
+def test_token_view_reads_like_the_concatenated_list(head, tail, a, b):
+    from adaflash.serving.lookup import TokenView
+
+    view, ref = TokenView(head, tail), head + tail
+    assert len(view) == len(ref) and view[a:b] == ref[a:b] and view[a:] == ref[a:] and view[:b] == ref[:b]
+    for i in (a, b):
+        if -len(ref) <= i < len(ref):
+            assert view[i] == ref[i]

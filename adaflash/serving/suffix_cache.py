@@ -70,6 +70,9 @@ class SuffixCache:
         self._indexes: dict[str, SuffixIndex] = {}
         # LRU over (index name, sequence id) -> tokens; one entry per index a response is in.
         self._lru: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # The same order per index (sequence id -> tokens): its oldest response in O(1).
+        self._lru_of: dict[str, OrderedDict[int, int]] = {}
+        self._tokens = 0  # tokens over every index (the global cap's measure)
         self._ids: dict[str, int] = {}  # record id -> sequence id (a replayed record is not added twice)
         self._records: dict[int, str] = {}  # sequence id -> record id (forgotten on eviction)
         self._next = 0
@@ -105,6 +108,8 @@ class SuffixCache:
             for name in (tenant, GLOBAL) if c.cross_tenant else (tenant,):
                 self._indexes.setdefault(name, SuffixIndex(c.index)).add(sid, tokens)
                 self._lru[(name, sid)] = len(tokens)
+                self._lru_of.setdefault(name, OrderedDict())[sid] = len(tokens)
+                self._tokens += len(tokens)
             self.added += 1
             self._evict(tenant)
             return True
@@ -114,16 +119,16 @@ class SuffixCache:
         idx = self._indexes.get(tenant)
         while idx is not None and idx.tokens > c.max_tokens_per_tenant:
             self._drop_oldest_of(tenant)
-        while self._total() > c.max_tokens:
+        while self._tokens > c.max_tokens:
             (name, sid), _ = next(iter(self._lru.items()))
             self._drop(name, sid)
 
     def _drop_oldest_of(self, name: str) -> None:
-        key = next(k for k in self._lru if k[0] == name)
-        self._drop(*key)
+        self._drop(name, next(iter(self._lru_of[name])))
 
     def _drop(self, name: str, sid: int) -> None:
         self._lru.pop((name, sid), None)
+        self._tokens -= self._lru_of[name].pop(sid)
         idx = self._indexes[name]
         idx.remove(sid)
         if name != GLOBAL:
@@ -131,9 +136,7 @@ class SuffixCache:
             self._ids.pop(self._records.pop(sid, ""), None)
         if not len(idx):
             del self._indexes[name]
-
-    def _total(self) -> int:
-        return sum(i.tokens for i in self._indexes.values())
+            del self._lru_of[name]
 
     # --- proposing --------------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class SuffixCache:
             for sid in best[1].sources[:4]:  # recently useful: last to be evicted
                 if (best[0], sid) in self._lru:
                     self._lru.move_to_end((best[0], sid))
+                    self._lru_of[best[0]].move_to_end(sid)
             return best[1]
 
     # --- what it holds ----------------------------------------------------------------------------
@@ -166,14 +170,14 @@ class SuffixCache:
             idx = self._indexes.get(tenant)
             if idx is None:
                 return []
-            return [idx.sequence(sid) for (name, sid) in self._lru if name == tenant]
+            return [idx.sequence(sid) for sid in self._lru_of[tenant]]
 
     def stats(self) -> CacheStats:
         with self._lock:
-            tokens = self._total()
+            tokens = self._tokens
             return CacheStats(
                 tenants=sum(n != GLOBAL for n in self._indexes),
-                responses=sum(1 for name, _ in self._lru if name != GLOBAL),
+                responses=sum(len(lru) for name, lru in self._lru_of.items() if name != GLOBAL),
                 tokens=tokens,
                 bytes=tokens * BYTES_PER_TOKEN,
                 added=self.added,
