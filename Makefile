@@ -153,8 +153,8 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_PY) -c "import vllm, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $@
 
-# The real-vLLM tests (marker `vllm`: tests/test_vllm.py, tests/test_vllm_fleet.py; ~20 min on 2 cores:
-# five vLLM start-ups of 90-150 s or more, one server at a time). Not in `make test`: the start-ups
-# alone exceed its budget.
+# The real-vLLM tests (marker `vllm`: tests/test_vllm.py, tests/test_vllm_fleet.py; ~27 min on 2 busy
+# cores: five vLLM start-ups of 2-7 min; two servers overlap only during a rolling restart). Not in
+# `make test`: the start-ups alone exceed its budget.
 test-vllm: setup vllm
 	ADAFLASH_CACHE_SHARED=$(ADAFLASH_CACHE) $(PY) -m pytest -q -s -m vllm tests/test_vllm.py tests/test_vllm_fleet.py
