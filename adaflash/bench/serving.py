@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adaflash.bench import closed_loop
 from adaflash.bench.peers import (
     gguf_path,
     hf_generate_tps,
@@ -117,27 +118,16 @@ def run_cell(
     label, method = method, method.removesuffix(NOCACHE)
     cache = engine.suffix_cache.config
     enabled, cache.enabled = cache.enabled, cache.enabled and label == method
-    done: list[Request] = []
-    engine.observers.append(done.append)
+
+    def make(ids: list[int]) -> Request:
+        return Request(ids, GenParams(max_new, 0.0, method=method), tenant_id=tenant)
+
     try:
-        todo = list(prompts)
-        reqs: list[Request] = []
-        inflight = 0
-        steps = 0
         t0, cpu0 = time.perf_counter(), time.process_time()
-        while todo or inflight:
-            while todo and inflight < concurrency:
-                params = GenParams(max_new, 0.0, method=method)
-                reqs.append(engine.submit(Request(todo.pop(0), params, tenant_id=tenant)))
-                inflight += 1
-            before = len(done)
-            if engine.step() is not None:
-                steps += 1
-            inflight -= len(done) - before
+        reqs, steps = closed_loop.serve(engine, prompts, make, concurrency)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
     finally:
-        engine.observers.remove(done.append)
         cache.enabled = enabled
     rounds = [rd for r in reqs for rd in r.rounds]
     tokens = sum(len(r.output_ids) for r in reqs)

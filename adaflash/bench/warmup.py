@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from adaflash.bench import closed_loop
 from adaflash.feedback import topics
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.pii import PiiScrubber
@@ -35,24 +36,12 @@ def serve_all(
     """Serve `prompts` greedily (plain decoding: the outputs are what any method would commit),
     `concurrency` at a time, as `tenant`."""
     tok = engine.target.tokenizer
-    done: list[Request] = []
-    todo, reqs, inflight = list(prompts), [], 0
-    engine.observers.append(done.append)
-    try:
-        while todo or inflight:
-            while todo and inflight < concurrency:
-                ids = todo.pop(0)
-                req = Request(
-                    ids, GenParams(max_new, 0.0, method="ar"), prompt_text=tok.decode(ids), tenant_id=tenant
-                )
-                reqs.append(engine.submit(req))
-                inflight += 1
-            before = len(done)
-            engine.step()
-            inflight -= len(done) - before
-    finally:
-        engine.observers.remove(done.append)
-    return reqs
+
+    def make(ids: list[int]) -> Request:
+        params = GenParams(max_new, 0.0, method="ar")
+        return Request(ids, params, prompt_text=tok.decode(ids), tenant_id=tenant)
+
+    return closed_loop.serve(engine, prompts, make, concurrency)[0]
 
 
 def warm_suffix_cache(
