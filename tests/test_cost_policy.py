@@ -270,3 +270,33 @@ def test_guard_price_drifts_back_during_plain_steps_so_drafting_is_never_locked_
         g.observe(1, tokens=1, seconds=0.05, speculated=False)
         steps += 1
     assert steps < 200
+
+
+def test_without_a_queue_sure_model_free_drafts_can_save_a_step_the_priced_plan_gave_up():
+    """The rate objective drafts long for every request; in lockstep eight long drafts save
+    E[min accepted] ≈ nothing, so the step ran plain. `confident` keeps each longest request's
+    drafts estimated at ≥ min_prob, cut to the shortest such run: a plan the lockstep value keeps."""
+    from adaflash.serving.costs import Option
+    from adaflash.serving.lockstep import confident, lockstep
+
+    def req(done: int) -> Request:
+        r = Request([1, 2, 3], GenParams(max_tokens=40, temperature=0.0))
+        r.output_ids = [7] * done
+        return r
+
+    reqs = [req(10)] * 7 + [req(30)]  # seven longest requests, one short
+    sure = Candidate([], 0, [], 0, {"suffix": ([0.97, 0.95, 0.6, 0.5, 0.4], 5)})
+    surer = Candidate([0.99, 0.98, 0.97], 3, [], 0, {"suffix": ([0.96, 0.5], 2)})
+    cands = [sure] * 6 + [surer, sure]
+    plan = confident(reqs, cands, 0.9)
+    assert plan[:6] == [Option("suffix", 2, pytest.approx(1.92))] * 6
+    assert plan[6] == Option("ngram", 2, pytest.approx(1.97))  # its surest proposer, cut to 2
+    assert plan[7] == Option("none", 0, 0.0)  # the short request never drafts
+    unsure = Candidate([0.8], 1, [], 0)  # one longest request without a sure draft: no plan
+    assert confident(reqs, [unsure] + cands[1:], 0.9) is None
+
+    # Verify rows cost (a C = 8 step on this CPU): 41 rows of long drafts do not pay, 22 sure ones do.
+    costs = _costs({1: 0.10, 8: 0.12, 16: 0.16, 64: 0.5}, {1: 0.01, 8: 0.02}, {1: 0.001, 64: 0.01})
+    long = [Option("suffix", 5, 3.4)] * 6 + [Option("ngram", 3, 2.9), Option("none", 0, 0.0)]
+    assert lockstep(costs, 1.0, cands, long, 8, 0, 8) == [Option("none", 0, 0.0)] * 8
+    assert lockstep(costs, 1.0, cands, plan, 8, 0, 8) == plan

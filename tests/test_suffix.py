@@ -228,3 +228,32 @@ def test_token_view_reads_like_the_concatenated_list(head, tail, a, b):
     for i in (a, b):
         if -len(ref) <= i < len(ref):
             assert view[i] == ref[i]
+
+
+def test_sure_lockstep_drafts_stay_token_identical_to_ar(tiny64, monkeypatch):
+    """The lockstep option (`ProposerConfig.lockstep_min_prob`) on a one-wave batch of eight whose
+    answers the tenant's cache holds. The priced plan is made to give up every step (as at C >= 8
+    on this CPU), so every draft verified comes from `lockstep.confident`: the longest requests'
+    sure model-free drafts, together. Every output is still AR's."""
+    from adaflash.serving import lockstep
+    from tests.test_cost_policy import _costs
+
+    prompts = [[256, *f"row {i}: select name from t{i % 3} where id =".encode()] for i in range(8)]
+    ref = ar_reference(tiny64, prompts, 24)
+    monkeypatch.setattr(lockstep, "critical", lambda reqs, chosen: [lockstep.NONE] * len(reqs))
+    cfg = EngineConfig(method="adaflash-cost", max_running=8, calibrate=False)
+    engine = Engine(tiny64, make_bundle(tiny64), cfg)
+    engine.proposer.config.lockstep_min_prob = 0.9
+    # Fixed costs (verify rows nearly free, a drafter forward dear), so the plan's value does not
+    # depend on this machine's load.
+    costs = engine.proposer.costs = _costs(
+        {1: 0.05, 64: 0.06, 1024: 0.5}, {1: 0.15, 64: 0.3}, {1: 0.01, 512: 0.05}
+    )
+    costs.target.rate = costs.drafter_block.rate = costs.drafter_lm.rate = 0.0
+    for i, out in enumerate(ref):
+        engine.suffix_cache.add("acme", f"r{i}", out)
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=24), tenant_id="acme")) for p in prompts]
+    engine.run_until_idle()
+    assert [r.output_ids for r in reqs] == ref
+    drafted = [rd for r in reqs for rd in r.rounds if rd.proposer in ("suffix", "ngram")]
+    assert drafted and sum(rd.accepted for rd in drafted) > len(drafted) / 2

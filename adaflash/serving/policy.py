@@ -70,7 +70,7 @@ class CostPolicy:
         capacity: int,
         suffix_cache: SuffixCache | None = None,
     ) -> None:
-        self.model, self.slots = model, slots
+        self.model, self.slots, self.config = model, slots, config
         self.drafter = DrafterProposer(model, config, slots, capacity)
         # The model-free proposers, by name (each is also a method of its own).
         self.lookups: dict[str, Proposer] = {
@@ -226,7 +226,9 @@ class CostPolicy:
         base_rows: int,
         waiting: bool,
     ) -> tuple[list[Option], float]:
-        """The priced choice (`costs.choose`), held to the lockstep rule when nothing waits."""
+        """The priced choice (`costs.choose`), held to the lockstep rule when nothing waits; with
+        `lockstep_min_prob` set, a lockstep plan that drafts nothing gives way to the longest
+        requests' sure model-free drafts, if their lockstep value pays (`lockstep.confident`)."""
         n, k = len(decoding), self.lookup_block
         base = base_rows + n + len(step.fixed) * (k - 1)
         base += sum(o.drafts for r, o in zip(decoding, step.opts, strict=True) if r.method in LOOKUP_METHODS)
@@ -236,8 +238,16 @@ class CostPolicy:
             cands, self.costs, base, float(n), len(step.fixed), penalty=self._penalty, requests=n
         )
         if not waiting and len(policy) > 1:
-            chosen = lockstep.critical([decoding[i] for i in policy], chosen)
+            reqs = [decoding[i] for i in policy]
+            chosen = lockstep.critical(reqs, chosen)
             chosen = lockstep.lockstep(self.costs, self._penalty, cands, chosen, base, len(step.fixed), n)
+            sure = self.config.lockstep_min_prob
+            if sure > 0 and all(o.proposer == "none" for o in chosen):
+                alt = lockstep.confident(reqs, cands, sure)
+                if alt is not None:
+                    chosen = lockstep.lockstep(
+                        self.costs, self._penalty, cands, alt, base, len(step.fixed), n
+                    )
         return chosen, rate
 
     def _explore(

@@ -42,6 +42,9 @@ class ProposerConfig:
     gamma: float = 1.0
     shadow_a_hat: bool = False
     probe_every: int = 1
+    # > 0: with no request waiting, a step whose priced lockstep plan drafts nothing verifies the
+    # longest requests' model-free drafts estimated at >= this (`lockstep.confident`). Off: 0.
+    lockstep_min_prob: float = 0.0
 
 
 class Proposer(Protocol):
