@@ -386,8 +386,8 @@ class SpeculationGuard:
     max_penalty: float = 20.0
     # Each plain step lets the price drift back ÷1.02 (20× → 1× in ~150 steps): a price that
     # only speculative steps could lower would lock drafting out for good once a bad spell (or a
-    # harder domain earlier in the same load bucket) had raised it — seen: chat at C = 1 drafted
-    # nothing after code's cells had maxed the bucket's price, though n-gram alone gained 1.23×.
+    # harder domain earlier in the same load bucket) has raised it: chat at C = 1 then drafts
+    # nothing after code's cells max the bucket's price, though n-gram alone gains 1.23× there.
     idle_decay: float = 1.02
     ar_every: int = 48
     rate: float = 0.1  # decay of the token and second sums: ~10 steps of memory per kind

@@ -1,8 +1,8 @@
 """The HTTP edge: what a client can make the server read, and for how long, before a handler runs.
 
-Without limits one client could stall every other: a 100 MB body was read, parsed and tokenised
-on the event loop (`/health` froze for 20 s), and idle or half-sent connections were kept open
-forever (300 of them exhausted a 256-descriptor limit and the server became unreachable).
+Without limits one client can stall every other: a 100 MB body is read, parsed and tokenised on
+the event loop (`/health` freezes for 20 s), and idle or half-sent connections stay open forever
+(300 of them exhaust a 256-descriptor limit and the server becomes unreachable).
 
 - `BodyLimit` (ASGI middleware) refuses a body over `max_body_bytes` with an OpenAI-shaped 413:
   at once when Content-Length says so, before a byte of it is read; else (chunked uploads) as soon

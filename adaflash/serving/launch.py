@@ -61,8 +61,8 @@ def run_until_stopped(app, host: str, port: int, limits=None) -> None:
 
     uvicorn handles both by shutting down gracefully and then raising the signal again. SIGINT's
     default action raises KeyboardInterrupt, so the caller's `finally` (the feedback flush) runs;
-    SIGTERM's ends the process on the spot, and the last finished requests' feedback records were
-    lost (systemd, Kubernetes and `adaflash down` all send SIGTERM). So SIGTERM raises SystemExit
+    SIGTERM's ends the process on the spot and loses the last finished requests' feedback records
+    (systemd, Kubernetes and `adaflash down` all send SIGTERM). So SIGTERM raises SystemExit
     here: the caller's cleanup runs exactly as for SIGINT, then the process exits 0."""
     import uvicorn
 

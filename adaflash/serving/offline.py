@@ -1,9 +1,9 @@
 """Offline generation: a list of prompts in, one result per prompt out, on the serving engine.
 
-There is one decoding path. `adaflash generate`, `adaflash compare` and the tests used to run a
-second decoder of their own (a padded batch that re-implemented drafting, sampling and
-validation); now they submit the prompts to an `Engine` and drive its step loop on the calling
-thread, so what they measure is what the server serves.
+There is one decoding path: `adaflash generate`, `adaflash compare` and the tests submit their
+prompts to an `Engine` and drive its step loop on the calling thread, with no decoder of their
+own (a padded batch would re-implement drafting, sampling and validation beside the engine's), so
+what they measure is what the server serves.
 """
 
 from __future__ import annotations

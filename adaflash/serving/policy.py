@@ -42,7 +42,7 @@ from adaflash.serving.verifier import Plan
 EXPLORE_EVERY = 32  # steps without a policy drafter forward before one is forced (fresh â)
 # Per load bucket, each exploration that did not win the drafter back doubles the gap to the
 # next one, up to this: at a load where drafting never pays (C >= 8 on this CPU), exploring every
-# 32 steps was a steady ~1.5% tax; a plan that chooses to draft again resets the gap.
+# 32 steps is a steady ~1.5% tax; a plan that chooses to draft again resets the gap.
 EXPLORE_MAX_GAP = 512
 IDLE_RECHECK = 8  # after this many no-draft plans in a row, only every 8th step is priced
 MEMORY = 0.3  # weight of the newest round in a request's acceptance memory
