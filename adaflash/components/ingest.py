@@ -138,9 +138,10 @@ class _ShardsRead:
 
 
 def _read_shards(buffer: ReplayBuffer, shards: list[dict]) -> _ShardsRead:
-    """Every record that reads back. One unreadable shard used to fail `ingest` on every later
-    run (issue 32): it is skipped with a logged reason and counted instead. A skipped file stays
-    out of the snapshot's shard ids, so no version claims to have trained on it."""
+    """Every record that reads back. An unreadable shard is skipped with a logged reason and
+    counted, not raised: it stays untrained, so raising would fail `ingest` on every later run
+    (issue 32). A skipped file stays out of the snapshot's shard ids, so no version claims to have
+    trained on it."""
     out = _ShardsRead()
     for s in shards:
         got = buffer.read_shard_tolerant(buffer.root / s["path"])

@@ -141,7 +141,7 @@ class QuarantineRecord(_Model):
     record_id: str | None
     reasons: list[QuarantineReason]
     provenance: Provenance
-    record: FeedbackRecord | None = None  # no longer written (issue 13): the fields below suffice
+    record: FeedbackRecord | None = None  # never written (issue 13): the fields below suffice
     raw_sha256: str | None = None
     raw_scrubbed: str | None = None
     # What an auditor needs and nothing more: who, hashes of the original texts (to match a

@@ -122,7 +122,7 @@ def _read_regular(path: Path, cap: int) -> bytes:
     """The bytes of `path`, only when it is a regular file of at most `cap` bytes.
 
     A FIFO, a device or a socket is refused before anything reads it: safetensors opens its file
-    in Rust while holding the GIL, so a FIFO as `model.safetensors` froze the whole process
+    in Rust while holding the GIL, so a FIFO as `model.safetensors` would freeze the whole process
     (issue 32). O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer,
     and the checks run on the opened descriptor, so the file checked is the file read. The read
     itself is Python's, which releases the GIL: a hung network filesystem blocks only the

@@ -1,9 +1,9 @@
 """Offline feature store: one target pass per cached response, read back by every training step.
 
-The bootstrap used to run the target on every step (a forward per sequence plus a full-vocab
-teacher row per position: ~4.6 s a step on 2 cores). Here the target runs once per response
-and writes, for the drafter's `target_layer_ids`, the context features of every position (fp16:
-SmolLM2's deep activations reach ~2.5e4, beyond bf16's precision) and, when asked, the
+Without it the bootstrap would run the target on every step (a forward per sequence plus a
+full-vocab teacher row per position: ~4.6 s a step on 2 cores). Here the target runs once per
+response and writes, for the drafter's `target_layer_ids`, the context features of every position
+(fp16: SmolLM2's deep activations reach ~2.5e4, beyond bf16's precision) and, when asked, the
 teacher's top-k log-probs (k <= 32; never full-vocabulary rows). Training steps then never run
 the target.
 

@@ -1,9 +1,10 @@
 """The replay window: which earlier clean records a training round replays beside the new ones.
 
 Why: a round that trains on its own 16 new records only forgets what the previous rounds taught
-(`adaflash adapt` plateaued at +6% full-block τ after one round). A bounded window of earlier
-records, weighted towards the recent ones and capped per tenant, keeps the drafter on the
-current traffic mix without letting one chatty tenant (or one old burst) decide what it learns.
+(without replay, `adaflash adapt` plateaus at +6% full-block τ after one round). A bounded window
+of earlier records, weighted towards the recent ones and capped per tenant, keeps the drafter on
+the current traffic mix without letting one chatty tenant (or one old burst) decide what it
+learns.
 
 Selection is a seeded weighted sample without replacement (Efraimidis–Spirakis keys
 u^(1/w)): a record `age` seconds older than the newest candidate has weight 2^(−age/half_life).
