@@ -116,7 +116,7 @@ def _cued_name_recognizer():
 
 
 # A phone number needs 7+ digits in a row, allowing separators. libphonenumber's matcher scans
-# every text for every region in pure Python (it was 40% of the scrub time), so it only runs on
+# every text for every region in pure Python (40% of the scrub time that way), so it only runs on
 # windows around what this cheap pattern finds. (It sees no spaCy artifacts there, so it skips
 # the context-word boost — phone numbers score 0.4 without it, above the 0.3 threshold.)
 _PHONE_CANDIDATE = r"(?:\+?\d[\s().\-]{0,3}){7,}"
@@ -145,7 +145,7 @@ def _fast_phone_recognizer():
     return PrefilteredPhoneRecognizer()
 
 
-# spaCy's small model tags technical words as PERSON in code prompts ("Java" alone was 45 of the
+# spaCy's small model tags technical words as PERSON in code prompts ("Java" alone in 45 of the
 # first 600 CodeAlpaca prompts). A name is capitalised words of letters; never one of these.
 _TECH_WORDS = {
     "java", "javascript", "python", "string", "convert", "json", "sql", "html", "css", "api", "c++",

@@ -55,7 +55,7 @@ _TITLES = (
     r"Shri|Smt|Pan|Pani|Sheikh|Rev|Hon|Capt|Col|Gen|Lt|Sgt|Judge|Justice|Senator|Rep|Ustadh|Ustadha|Imam"
 )
 # Bounded (a name part is at most ~40 letters, a hyphenated name a few parts): unbounded, a scan
-# was quadratic on one long word such as "A'A'A'..." (issue 32).
+# is quadratic on one long word such as "A'A'A'..." (issue 32).
 _NAME_TOKEN = r"[A-ZÀ-ÖØ-ÞĀ-ſƀ-ɏḀ-ỿ][^\W\d_]{0,40}(?:['’\-][^\W\d_]{1,40}){0,4}"
 _NAME_RUN = re.compile(
     r"(?<![\w@.])"

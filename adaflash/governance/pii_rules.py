@@ -270,8 +270,8 @@ def _postcodes(text: str, hits: list[Hit]) -> None:
 # -- addresses ---------------------------------------------------------------------------------------
 # Every quantifier below is bounded (a place name is a few words of at most ~40 characters) and
 # every pattern that can start inside a word is anchored to the word's start: the work per start
-# position is then constant and a scan is linear. An unbounded one was quadratic on one long word
-# (issue 32: a 501 KB record held governance for 352 s).
+# position is then constant and a scan is linear. An unbounded one is quadratic on one long word
+# (issue 32: a 501 KB record holds governance for 352 s).
 _CAPW = r"(?:[A-ZÀ-ÖØ-Þ][\w'’.\-]{0,40})"
 _CITY_TAIL = (
     r"(?:,?\s+(?:[A-Z]{1,2}\d[A-Z\d]?\s?\d[A-Z]{2}|[A-Z]\d[A-Z]\s?\d[A-Z]\d|[A-Z]{1,2}-)?)?"

@@ -132,9 +132,9 @@ class GovernanceService:
             self._clear_pending()
             # Not a per-record failure: the broker went away or came back empty (a restarted
             # embedded broker does not know the idempotent producer's id: UnknownProducerIdError).
-            # This used to escape and end `governance run` for good. Nothing was committed, so
+            # Left to escape, it would end `governance run` for good. Nothing is committed yet, so
             # rewind to the batch, start a fresh producer and retry after a backoff; if lineage
-            # was already written, the re-delivered batch is counted as duplicates, not twice.
+            # is already written, the re-delivered batch is counted as duplicates, not twice.
             self._backoff = min(max(2 * self._backoff, 0.5), 10.0)
             log.warning("batch not persisted (%s): retrying in %.1fs", e, self._backoff)
             self._rewind(messages)
