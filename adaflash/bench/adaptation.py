@@ -72,8 +72,8 @@ class AdaptationSpec:
     replay_records: int = 8
     replay_half_life_s: float = 3600.0
     # The first prompts of each round, also served one at a time (0: no C = 1 cells). All 8 by
-    # default: with 4, a C = 1 cell was ~130 rounds, much of it the policy's cold start, and the
-    # same policy on the same drafter measured 0.82-1.31x of itself across rounds.
+    # default: with 4, a C = 1 cell is ~130 rounds, much of it the policy's cold start, and the
+    # same policy on the same drafter measures 0.82-1.31x of itself across rounds.
     c1_prompts: int = 8
     frozen_cost: bool = True  # serve the frozen drafter with the cost-aware policy too
 
