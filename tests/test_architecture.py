@@ -207,5 +207,5 @@ def test_architecture_md_names_only_what_exists():
             assert (PKG / room / name).exists(), f"ARCHITECTURE.md names {room}/{name}, which does not exist"
     for path in re.findall(r"`((?:cli|components|governance|pipelines|registry|serving)/\w+\.py)", text):
         assert (PKG / path).exists(), path
-    for name in ("errors.py", "procs.py", "workloads.py", "reporting.py"):
+    for name in ("errors.py", "paths.py", "procs.py", "workloads.py", "reporting.py"):
         assert name in text and (PKG / name).exists(), name
