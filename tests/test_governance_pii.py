@@ -237,7 +237,9 @@ def test_unsure_record_is_quarantined_without_text(tmp_path, vocab, scrubber):
     assert "422901209" not in u.model_dump_json()
     v = q[bad_vocab.record_id]  # both layers passed: the auditor sees the scrubbed text, nothing else
     assert v.record is None and v.prompt_scrubbed and "Venkataraman" not in v.prompt_scrubbed
-    assert v.tenant_id == bad_vocab.tenant_id and len(v.output_sha256) == 64
+    assert v.tenant_id == bad_vocab.tenant_id and re.fullmatch(
+        r"hmac-sha256:[\w\-]+:[0-9a-f]{64}", v.output_sha256
+    )
 
 
 def test_context_enhancement_is_back(scrubber):

@@ -138,3 +138,25 @@ def test_probe_recall_on_both_parts(tmp_path, vocab, scrubber):
         assert r["recall_without_split"] >= 0.99 and r["recall"] >= 0.95, part
         if part == "heldback":  # the acceptance's floor; the tuning part's known miss is printed above
             assert min(r["by_kind"].values()) >= 0.9, {k: v for k, v in r["by_kind"].items() if v < 0.9}
+
+
+def test_quarantine_hashes_are_keyed_and_rotate_by_config(tmp_path):
+    """A plain SHA-256 of a templated prompt with a 9-digit id is brute-forced in minutes; an
+    HMAC under a secret key is not, and the key id in each hash lets a rotated key still match."""
+    import hashlib
+
+    from adaflash.governance.quarantine import KEY_ENV, KEY_FILE_ENV, KEY_ID_ENV, key_from_env, matches
+
+    text = "My BSN is 111222333, please update my address."
+    k1 = key_from_env({KEY_ENV: "s3cret-one", KEY_ID_ENV: "2026-11"})
+    (tmp_path / "key").write_text("s3cret-two\n")
+    k2 = key_from_env({KEY_FILE_ENV: str(tmp_path / "key"), KEY_ID_ENV: "2026-12"})
+    h1, h2 = k1.hash(text), k2.hash(text)
+    assert h1.startswith("hmac-sha256:2026-11:") and h2.startswith("hmac-sha256:2026-12:")
+    assert hashlib.sha256(text.encode()).hexdigest() not in h1 + h2 and h1[-64:] != h2[-64:]
+    assert h1 == key_from_env({KEY_ENV: "s3cret-one", KEY_ID_ENV: "2026-11"}).hash(text)  # stable
+    ring = {"2026-11": b"s3cret-one", "2026-12": b"s3cret-two"}
+    assert matches(text, h1, ring) and matches(text, h2, ring)
+    assert not matches(text.replace("111", "112"), h1, ring) and not matches(text, h1, {"2026-11": b"x"})
+    eph = key_from_env({})  # no key configured: random, never the same twice
+    assert eph.key_id.startswith("ephemeral-") and eph.hash(text) != key_from_env({}).hash(text)

@@ -162,7 +162,8 @@ def keep(span: Span, text: str, regions: list[tuple[int, int]]) -> bool:
             return False  # a changelog date, a fictional 555 number
     if span.entity == "PERSON" and _EPONYM.match(text[span.end : span.end + 30]) and len(value.split()) == 1:
         return False
-    if span.entity in _NUMERIC_KINDS and _mathy(text) and not _cued(span, text):
+    formatted = re.search(r"\d[\-.()]\d|\(\d|^\+", value)  # 404-512-3130, (212) 524: a phone's shape is a cue
+    if span.entity in _NUMERIC_KINDS and not formatted and _mathy(text) and not _cued(span, text):
         return False
     if span.entity == "PERSON" and len(value.split()) == 1 and _mathy(text) and not _cued(span, text):
         return False  # a word problem's first name identifies nobody

@@ -8,6 +8,7 @@ never-issued ranges), so a detector has to find them as it would real data.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import random
 import string
@@ -88,7 +89,11 @@ def iban(rng: random.Random) -> str:
 
 
 def ip_address(rng: random.Random) -> str:
-    return f"{rng.randint(11, 223)}.{rng.randint(0, 255)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+    # A public address: loopback and private ranges are deliberately never scrubbed (issue 33).
+    while True:
+        ip = f"{rng.randint(11, 223)}.{rng.randint(0, 255)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+        if ipaddress.ip_address(ip).is_global:
+            return ip
 
 
 def ssn(rng: random.Random) -> str:
