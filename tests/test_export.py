@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from adaflash.errors import CheckpointError
-from adaflash.models.checkpoint import save_drafter
+from adaflash.models.checkpoint import load_drafter, save_drafter
 from adaflash.serving.export import SGLANG_FIELDS, check_dflash_config, export_drafter, sglang_launch_argv
 from tests.conftest import make_bundle
 
@@ -116,7 +116,10 @@ def test_local_export_loads_unmodified_in_reference_dflash(tmp_path, tiny32, cli
     assert (out / "length_head.safetensors").read_bytes() == (
         tmp_path / "src" / "length_head.safetensors"
     ).read_bytes()
-    assert json.loads((out / "adaflash.json").read_text())["export"]["format"] == "dflash"
+    assert json.loads((out / "adaflash.json").read_text())["lineage"]["export"]["format"] == "dflash"
+    # The exported folder is still one of our drafters: our engine loads it as it is.
+    again = load_drafter(out, target_fingerprint=tiny32.fingerprint)
+    assert torch.equal(again.drafter.fc.weight.float(), tensors["fc.weight"].float())
     _assert_reference_matches(out, b, tiny32)
 
 
@@ -137,13 +140,13 @@ def test_export_champion_from_the_registry(tmp_path, tiny32, mlflow_server, cli)
     assert r.returncode == 0, r.stderr
     assert f"exported v{v2}" in r.stdout
     meta = json.loads((out / "adaflash.json").read_text())
-    assert meta["export"]["version"] == v2 and meta["lineage"]["registry"]["version"] == v2
+    assert meta["lineage"]["export"]["version"] == v2 and meta["lineage"]["registry"]["version"] == v2
     _assert_reference_matches(out, bundles[1], tiny32)
 
     # Rollback target: an explicit version replaces the directory in place.
     r = cli("export", "--version", v1, *args)
     assert r.returncode == 0, r.stderr
-    assert json.loads((out / "adaflash.json").read_text())["export"]["version"] == v1
+    assert json.loads((out / "adaflash.json").read_text())["lineage"]["export"]["version"] == v1
     _assert_reference_matches(out, bundles[0], tiny32)
     assert not list(tmp_path.glob(".drafter*"))  # no scratch left beside the volume's directory
 

@@ -56,7 +56,7 @@ def test_vllm_export_has_the_draft_vocabulary_head(tmp_path, tiny32):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert json.loads((out / "draft_vocab.json").read_text())["token_ids"] == vocab.tolist()
     torch.testing.assert_close({k: tensors[k] for k in drafter_tensors}, b.drafter.state_dict())
-    assert json.loads((out / "adaflash.json").read_text())["export"]["format"] == "vllm"
+    assert json.loads((out / "adaflash.json").read_text())["lineage"]["export"]["format"] == "vllm"
 
 
 def test_vllm_export_needs_the_target_for_a_draft_vocabulary(tmp_path, tiny32):

@@ -204,13 +204,17 @@ def export_drafter(
     meta = json.loads((src / META).read_text())
     lineage = meta.get("lineage") if isinstance(meta.get("lineage"), dict) else {}
     version = lineage.get("version")
-    meta["export"] = {
-        "format": fmt,
-        "source": str(src.resolve()),
-        "version": version,
-        "dtype": dtype,
-        "block_size": c.block_size,
-        "exported_at": time.time(),
+    # Inside the lineage (a free-form record), so the exported folder still loads as a drafter here.
+    meta["lineage"] = {
+        **lineage,
+        "export": {
+            "format": fmt,
+            "source": str(src.resolve()),
+            "version": version,
+            "dtype": dtype,
+            "block_size": c.block_size,
+            "exported_at": time.time(),
+        },
     }
 
     tmp = out.parent / f".{out.name}.export-tmp"
