@@ -25,9 +25,10 @@ demo: setup
 
 # The suite includes the browser approval test (tests/test_browser_approval.py, ~35 s): it runs when
 # chromium + chromedriver are there, and browser-deps installs them first where it can. BROWSER=0 skips that.
+# The report ends with the 15 slowest tests (--durations=15), so a test that grows slow is seen.
 test: setup browser-deps
 	$(VENV)/bin/ruff check adaflash tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Debian's chromium + chromedriver for the browser test (Selenium never downloads a browser or a
 # driver): apt-get when they are missing and we are root; otherwise a note, and the test skips.

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,27 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
+# A tiny target of its own per test module (float32, seed 0): a module may pack, hook or cache on it.
+@pytest.fixture(scope="module")
+def tiny():
+    from adaflash.models.targets import tiny_target
+
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory, tiny):
+    """Three distinct tiny drafters (seeds 0, 1, 2; blocks of 8) saved in DFlash format."""
+    from adaflash.models.checkpoint import save_drafter
+
+    root = tmp_path_factory.mktemp("drafters")
+    out = []
+    for seed in (0, 1, 2):
+        b = make_bundle(tiny, seed=seed)
+        out.append(save_drafter(root / f"drafter-{seed}", b.drafter, b.length_head, b.meta))
+    return out
+
+
 def make_bundle(target, num_layers=2, block_size=8, seed=0, with_head=True):
     from adaflash.models.checkpoint import DrafterBundle, DrafterMeta
     from adaflash.models.factory import new_drafter
@@ -62,6 +84,41 @@ def ar_reference(target, prompts, max_new_tokens):
     from adaflash.models.generate import greedy_generate
 
     return greedy_generate(target.model, prompts, max_new_tokens, target.tokenizer.eos_token_ids)
+
+
+def clean_record(record, offset: int = 0, topic: str = "adaflash.feedback.raw", governed_at=None):
+    """`record` (a FeedbackRecord) as governance publishes it clean: from `topic`, partition 0,
+    `offset`, governed at `governed_at` (default now)."""
+    from adaflash.feedback.schema import CleanRecord, Provenance
+
+    when = governed_at or datetime.now(UTC)
+    prov = Provenance(topic=topic, partition=0, offset=offset, governed_at=when)
+    return CleanRecord(record=record, provenance=prov)
+
+
+def served_record(target, bundle, prompt_ids, result, method: str = "dflash", **fields):
+    """The feedback record serving emits for one decoded `result` (a `GenerationResult` of
+    `prompt_ids`): its texts, tokens and rounds; `fields` give the rest (ids, tenant, domain...)."""
+    from adaflash.feedback.schema import FeedbackRecord, RoundRecord
+
+    rounds, start = [], 0
+    for rd in result.rounds:
+        rounds.append(
+            RoundRecord(start=start, verify_len=rd.verify_len, accepted=rd.accepted, a_hat=rd.a_hat)
+        )
+        start += rd.accepted + 1
+    tok = target.tokenizer
+    return FeedbackRecord(
+        target_fingerprint=target.fingerprint,
+        method=method,
+        block_size=bundle.drafter.block_size,
+        prompt_text=tok.decode(prompt_ids),
+        output_text=tok.decode(result.token_ids),
+        prompt_token_ids=prompt_ids,
+        output_token_ids=result.token_ids,
+        rounds=rounds,
+        **fields,
+    )
 
 
 REPO = Path(__file__).resolve().parents[1]

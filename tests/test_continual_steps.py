@@ -11,14 +11,13 @@ import pytest
 from adaflash.components.gate import gate
 from adaflash.components.ingest import NotEnoughData, Snapshot, ingest
 from adaflash.components.steps import ar_reference, calibration, prompts_of, shadow_eval
-from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance, RoundRecord
 from adaflash.governance.buffer import ReplayBuffer
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow
 from adaflash.models.checkpoint import load_drafter_for, save_drafter
 from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 from adaflash.training.online import OnlineConfig, OnlineTrainer
 from adaflash.training.replay import ReplayWindow
-from tests.conftest import make_bundle
+from tests.conftest import clean_record, make_bundle, served_record
 
 DOMAINS = ("math", "code")
 
@@ -38,27 +37,18 @@ def serve_into_buffer(target, bundle, gov_dir, n: int, seed: int = 0, max_new: i
     results = OfflineDecoder(target, bundle).generate(prompts, DecodeConfig("dflash", max_new_tokens=max_new))
     clean = []
     for i, (p, r, dom) in enumerate(zip(prompts, results, domains, strict=True)):
-        rounds, start = [], 0
-        for rd in r.rounds:
-            rounds.append(RoundRecord(start=start, verify_len=rd.verify_len, accepted=rd.accepted))
-            start += rd.accepted + 1
-        rec = FeedbackRecord(
+        rec = served_record(
+            target,
+            bundle,
+            p,
+            r,
             record_id=uuid.UUID(int=rng.getrandbits(128)).hex,
             request_id=str(i),
             tenant_id=f"tenant-{i % 3}",
             domain=dom,
             created_at=datetime(2026, 11, 30, 12, 0, i % 60, tzinfo=UTC),
-            target_fingerprint=target.fingerprint,
-            method="dflash",
-            block_size=bundle.drafter.block_size,
-            prompt_text=tok.decode(p),
-            output_text=tok.decode(r.token_ids),
-            prompt_token_ids=p,
-            output_token_ids=r.token_ids,
-            rounds=rounds,
         )
-        prov = Provenance(topic="adaflash.feedback.raw", partition=0, offset=i, governed_at=datetime.now(UTC))
-        clean.append(CleanRecord(record=rec, provenance=prov))
+        clean.append(clean_record(rec, offset=i))
     buffer = ReplayBuffer(gov_dir / "buffer")
     store = LineageStore(gov_dir / "lineage.sqlite")
     shards, rows = [], []

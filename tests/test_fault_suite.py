@@ -43,12 +43,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 from adaflash.feedback.broker import free_port
-from adaflash.models.checkpoint import save_drafter
 from adaflash.procs import alive, pid_from_file
-from tests.conftest import make_bundle
 
 TOKEN = "fault-suite-admin"
 WORDS = (
@@ -678,27 +674,9 @@ class Suite:
         return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def drafters(tmp_path_factory, tiny32_module):
-    d = tmp_path_factory.mktemp("drafters")
-    for name, seed in (("champion", 0), ("challenger", 1)):
-        b = make_bundle(tiny32_module, block_size=8, seed=seed)
-        save_drafter(d / name, b.drafter, b.length_head, b.meta)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tiny32_module():
-    import torch
-
-    from adaflash.models.targets import tiny_target
-
-    return tiny_target(torch.float32)
-
-
 def test_fault_suite(tmp_path, drafters):
     t_start = time.monotonic()
-    loop = Loop(tmp_path, drafters / "champion")
+    loop = Loop(tmp_path, drafters[0])
     traffic = Traffic(loop.base)
     suite = Suite(loop, traffic)
     try:
@@ -715,7 +693,7 @@ def test_fault_suite(tmp_path, drafters):
         suite.poison()
         suite.overload()
         suite.corrupt_challenger(tmp_path)
-        suite.mlflow_restart_during_promotion(drafters / "challenger")
+        suite.mlflow_restart_during_promotion(drafters[1])
         suite.fleet_controller_kill()
         traffic.stop()
         totals = suite.check_batches()

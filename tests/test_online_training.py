@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
 
 import pytest
 import torch
 
-from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance, RoundRecord
+from adaflash.feedback.schema import CleanRecord
 from adaflash.models.checkpoint import load_drafter_for
 from adaflash.serving.offline import DecodeConfig, OfflineDecoder
 from adaflash.training.blocks import sequence_pass
 from adaflash.training.losses import drafter_loss, position_weights
 from adaflash.training.objective import Objective, block_objective
 from adaflash.training.online import OnlineConfig, OnlineTrainer
-from tests.conftest import make_bundle
+from tests.conftest import clean_record, make_bundle, served_record
 
 
 def test_opd_loss_matches_hand_computation_with_per_entry_clipping():
@@ -47,27 +46,8 @@ def _served_records(target, bundle, n=6, max_new=40, method="dflash") -> list[Cl
     results = OfflineDecoder(target, bundle).generate(prompts, DecodeConfig(method, max_new_tokens=max_new))
     out = []
     for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
-        rounds, start = [], 0
-        for rd in r.rounds:
-            rounds.append(
-                RoundRecord(start=start, verify_len=rd.verify_len, accepted=rd.accepted, a_hat=rd.a_hat)
-            )
-            start += rd.accepted + 1
-        rec = FeedbackRecord(
-            request_id=f"r{i}",
-            tenant_id="t",
-            target_fingerprint=target.fingerprint,
-            drafter_version="1",
-            method=method,
-            block_size=bundle.drafter.block_size,
-            prompt_text=tok.decode(p),
-            output_text=tok.decode(r.token_ids),
-            prompt_token_ids=p,
-            output_token_ids=r.token_ids,
-            rounds=rounds,
-        )
-        prov = Provenance(topic="t", partition=0, offset=i, governed_at=datetime.now(UTC))
-        out.append(CleanRecord(record=rec, provenance=prov))
+        ids = {"request_id": f"r{i}", "tenant_id": "t", "drafter_version": "1"}
+        out.append(clean_record(served_record(target, bundle, p, r, method, **ids), offset=i, topic="t"))
     return out
 
 

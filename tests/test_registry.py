@@ -19,7 +19,7 @@ from adaflash.errors import AdaFlashError
 from adaflash.feedback.broker import free_port
 from adaflash.feedback.events import DrafterEvent
 from adaflash.feedback.topics import DRAFTER_EVENTS
-from adaflash.models.checkpoint import load_drafter_for, save_drafter
+from adaflash.models.checkpoint import load_drafter_for
 from adaflash.registry import (
     NothingToRollBackError,
     RegistryClient,
@@ -29,7 +29,6 @@ from adaflash.registry import (
     UnknownVersionError,
     model_name_for,
 )
-from tests.conftest import make_bundle
 from tests.kafka_util import read_topic, running_broker
 
 LINEAGE = {
@@ -55,24 +54,6 @@ def mlflow_server(tmp_path_factory):
 def broker(tmp_path_factory):
     with running_broker(tmp_path_factory.mktemp("broker")) as b:
         yield b
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from adaflash.models.targets import tiny_target
-
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafters(tmp_path_factory, tiny):
-    """Two distinct tiny drafters (different seeds) in DFlash format."""
-    root = tmp_path_factory.mktemp("drafters")
-    out = []
-    for seed in (0, 1):
-        b = make_bundle(tiny, seed=seed)
-        out.append(save_drafter(root / f"drafter-{seed}", b.drafter, b.length_head, b.meta))
-    return out
 
 
 @pytest.fixture

@@ -19,23 +19,6 @@ from adaflash.registry import RegistryClient, RegistryError
 from tests.conftest import make_bundle
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from adaflash.models.targets import tiny_target
-
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafters(tmp_path_factory, tiny):
-    root = tmp_path_factory.mktemp("drafters")
-    out = []
-    for seed in (0, 1, 2):
-        b = make_bundle(tiny, seed=seed)
-        out.append(save_drafter(root / f"drafter-{seed}", b.drafter, b.length_head, b.meta))
-    return out
-
-
 def _cli(*args: str, home) -> subprocess.CompletedProcess:
     env = {**os.environ, "ADAFLASH_HOME": str(home)}
     return subprocess.run(

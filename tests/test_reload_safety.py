@@ -50,13 +50,6 @@ def good(tmp_path_factory, tiny):
     return save_drafter(tmp_path_factory.mktemp("drafters") / "A", b.drafter, b.length_head, b.meta)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from adaflash.models.targets import tiny_target
-
-    return tiny_target()
-
-
 def _with_fifo(good: Path, dst: Path, name: str) -> Path:
     shutil.copytree(good, dst)
     (dst / name).unlink()

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaflash.feedback.schema import CleanRecord, FeedbackRecord, Provenance
+from adaflash.feedback.schema import CleanRecord, FeedbackRecord
 from adaflash.training.replay import ReplayWindow, replay_sample
+from tests.conftest import clean_record
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
@@ -31,8 +32,7 @@ def record(i: int, tenant: str, age_s: float) -> CleanRecord:
         output_token_ids=[3],
         rounds=[],
     )
-    prov = Provenance(topic="adaflash.feedback.raw", partition=0, offset=i, governed_at=T0)
-    return CleanRecord(record=rec, provenance=prov)
+    return clean_record(rec, offset=i, governed_at=T0)
 
 
 @settings(max_examples=60, deadline=None)

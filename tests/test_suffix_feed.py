@@ -14,6 +14,7 @@ from adaflash.governance.governor import GovernanceConfig, Governor
 from adaflash.governance.service import GovernanceService
 from adaflash.serving.suffix_cache import SuffixCache, SuffixCacheConfig
 from adaflash.serving.suffix_feed import CleanFeed
+from tests.conftest import clean_record
 from tests.kafka_util import produce, read_topic, running_broker
 from tests.pii_canaries import TUNING
 from tests.test_governance_pii import FILLER, _leaks, _record
@@ -85,11 +86,8 @@ def test_feed_skips_other_targets_and_unparseable_messages(vocab):
     cache = SuffixCache()
     feed = CleanFeed(cache, "127.0.0.1:1", vocab.fingerprint)
     rec = _record(vocab, "Q", "an answer long enough to learn from", datetime.now(UTC), rng)
-    from adaflash.feedback.schema import Provenance
-
-    prov = Provenance(topic=topics.RAW, partition=0, offset=0, governed_at=datetime.now(UTC))
     other = rec.model_copy(update={"target_fingerprint": "another-target", "record_id": "x"})
-    assert not feed.apply(CleanRecord(record=other, provenance=prov).model_dump_json().encode(), "c/0", 0)
+    assert not feed.apply(clean_record(other, topic=topics.RAW).model_dump_json().encode(), "c/0", 0)
     assert not feed.apply(b"{not json", "c/0", 1)
-    assert feed.apply(CleanRecord(record=rec, provenance=prov).model_dump_json().encode(), "c/0", 2)
+    assert feed.apply(clean_record(rec, topic=topics.RAW).model_dump_json().encode(), "c/0", 2)
     assert cache.stats().skipped == {"target": 1, "invalid": 1} and cache.stats().last_offsets == {"c/0": 2}
