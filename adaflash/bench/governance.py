@@ -104,7 +104,7 @@ def run_bench(
     pii: str = "both",
     quality: bool = True,
 ) -> dict:
-    mode = pii  # (`pii` is reused below for the entity counts)
+    mode = pii
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     vocab = load_vocabulary(target)
     prompts = load_prompts("train", data_dir)
@@ -121,33 +121,14 @@ def run_bench(
         gov = Governor(GovernanceConfig(data_dir=Path(tmp)), vocab, make_scrubber(mode))
         gov.scrubber.scrub(["warm-up text by John Smith"])  # name lists, word lists: loaded once
         setup_s = time.perf_counter() - t0
-        timings: Counter = Counter()
-        persist_s = 0.0
         profile = cProfile.Profile()
-        clean = quarantined = 0
-        pii: Counter = Counter()
-        governed: dict[str, str] = {}
         wall0 = time.perf_counter()
-        for i in range(0, len(msgs), batch_size):
-            batch = [
-                Message("bench", 0, j, m.key, m.value) for j, m in enumerate(msgs[i : i + batch_size], i)
-            ]
-            outcome = gov.govern(batch)
-            t = time.perf_counter()
-            gov.persist(outcome, datetime.now(UTC), None)
-            persist_s += time.perf_counter() - t
-            timings.update(outcome.timings)
-            clean += len(outcome.clean)
-            quarantined += len(outcome.quarantined)
-            pii.update(outcome.pii)
-            governed.update({c.record.record_id: c.model_dump_json() for c in outcome.clean})
-            governed.update({q.record_id: q.model_dump_json() for q in outcome.quarantined})
+        timings, counts, pii, governed = _govern_all(gov, msgs, batch_size)
         wall = time.perf_counter() - wall0
         # Profile separately (cProfile slows Python-heavy stages several-fold): where the time goes.
         profile.enable()
         gov.scrubber.scrub([x for m in msgs[:100] for x in _texts(m)])
         profile.disable()
-        timings["shards + lineage"] = persist_s
         gov.lineage.close()
 
         # The same texts through the spaCy model alone (the components Presidio runs, i.e. NER), same
@@ -166,13 +147,6 @@ def run_bench(
         if workers > 1
         else None
     )
-    stats = pstats.Stats(profile, stream=io.StringIO())
-    top = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)  # cumulative time
-    hot = [
-        {"function": f"{Path(f).name}:{line}:{name}", "cumulative_s": round(v[3], 2)}
-        for (f, line, name), v in top
-        if "site-packages" in f or "adaflash" in f
-    ][:15]
     result = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "cpus": __import__("os").cpu_count(),
@@ -187,18 +161,50 @@ def run_bench(
         "workers": workers,
         "records_per_s_workers": parallel,
         "stages_s": {k: round(v, 2) for k, v in timings.items()},
-        "clean": clean,
-        "quarantined": quarantined,
+        **counts,
         "pii_entities_scrubbed": dict(pii),
         "spacy_words": n_words,
         "spacy_words_per_s": round(n_words / spacy_s, 0),
         "ner_stage_words_per_s": round(n_words / timings["PII scrub (Presidio)"], 0),
         "ner_stage_vs_spacy": round(timings["PII scrub (Presidio)"] / spacy_s, 2),
-        "profile_top_cumulative": hot,
+        "profile_top_cumulative": _hot(profile),
         **quality,
     }
     _write(result, out_dir, console)
     return result
+
+
+def _govern_all(gov: Governor, msgs, batch_size: int) -> tuple[Counter, dict, Counter, dict[str, str]]:
+    """Govern and persist every batch: (stage seconds, clean/quarantined counts, PII kinds scrubbed,
+    record id -> what governance emitted for it)."""
+    timings: Counter = Counter()
+    counts = {"clean": 0, "quarantined": 0}
+    pii: Counter = Counter()
+    governed: dict[str, str] = {}
+    for i in range(0, len(msgs), batch_size):
+        batch = [Message("bench", 0, j, m.key, m.value) for j, m in enumerate(msgs[i : i + batch_size], i)]
+        outcome = gov.govern(batch)
+        t = time.perf_counter()
+        gov.persist(outcome, datetime.now(UTC), None)
+        timings["shards + lineage"] += time.perf_counter() - t
+        timings.update(outcome.timings)
+        counts["clean"] += len(outcome.clean)
+        counts["quarantined"] += len(outcome.quarantined)
+        pii.update(outcome.pii)
+        governed.update({c.record.record_id: c.model_dump_json() for c in outcome.clean})
+        governed.update({q.record_id: q.model_dump_json() for q in outcome.quarantined})
+    return timings, counts, pii, governed
+
+
+def _hot(profile: cProfile.Profile) -> list[dict]:
+    """The 15 functions with the most cumulative time, in adaflash or its libraries."""
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)
+    return [
+        {"function": f"{Path(f).name}:{line}:{name}", "cumulative_s": round(v[3], 2)}
+        for (f, line, name), v in top
+        if "site-packages" in f or "adaflash" in f
+    ][:15]
 
 
 def _texts(m) -> tuple[str, str]:
@@ -238,8 +244,11 @@ def _quality(gov: Governor, msgs, governed: dict[str, str], prompts) -> dict:
             "unsure": sum(1 for r in res if r.unsure),
             "types": dict(Counter(s.entity for r in res for s in r.spans)),
         }
+    from adaflash.bench.pii_quality import pii_quality
+
     return {
         **_synthetic_recall(msgs, governed),
+        **pii_quality(gov),
         "code_prompts": len(code),
         "code_prompts_altered": len(altered),
         "code_false_positive_rate": round(len(altered) / max(len(code), 1), 4),
@@ -274,6 +283,17 @@ def _write(r: dict, out_dir: Path, console: Console) -> None:
         f"**{r['pii_recall_overall']:.2%}** — "
         + ", ".join(f"{k} {v:.0%}" for k, v in r["pii_recall"].items()),
     ]
+    if "pii_free" in r:
+        free, tun, held = r["pii_free"], r["probe_tuning"], r["probe_heldback"]
+        lines += [
+            "",
+            f"PII-free corpus altered: **{free['altered_share']:.1%}** ({free['altered']}/{free['records']}; "
+            f"{free['by_group']}). Issue-33 probe recall (records with no planted value left): tuning part "
+            f"**{tun['recall']:.1%}** ({tun['recall_without_split']:.1%} without split turns), "
+            "held-back part "
+            f"**{held['recall']:.1%}** ({held['recall_without_split']:.1%}); held-back by kind: "
+            + ", ".join(f"{k} {v:.0%}" for k, v in held["by_kind"].items()),
+        ]
     if "code_prompts" in r:
         lines += [
             "",
@@ -308,6 +328,9 @@ def _write(r: dict, out_dir: Path, console: Console) -> None:
         "ner_stage_vs_spacy",
         "pii_recall_overall",
         "code_false_positive_rate",
+        "pii_free_altered_share",
+        "probe_recall_tuning",
+        "probe_recall_heldback",
     ):
         if k in r:
             t.add_row(k, str(r[k]))
