@@ -136,7 +136,7 @@ def drafter_release(
     target: TargetOpt = "smollm2",
 ) -> None:
     """Copy a bootstrapped drafter into the repo's shipped form: fp16 weights, head, model card."""
-    from adaflash.training.bootstrap import release
+    from adaflash.training.release import release
 
     tgt, _ = load(target, None)
     path = release(src, out, tgt)

@@ -91,6 +91,16 @@ Progress = Callable[[str, dict], None]
 
 
 @dataclass
+class HeldOut:
+    """The held-out sequences τ is measured on, and the per-domain subset the curve uses."""
+
+    passes: list[SequencePass]
+    starts: list[int]
+    domains: list[str]
+    curve: list[int]
+
+
+@dataclass
 class TrainState:
     step: int = 0
     head_step: int = 0
@@ -101,29 +111,6 @@ class TrainState:
 
 def _silent(kind: str, info: dict) -> None:
     pass
-
-
-def release(src: Path, dst: Path, target: Target) -> Path:
-    """Copy a bootstrapped drafter to a shippable directory: fp16 weights, length head, metadata,
-    model card, metrics and plot; no training state (the repo's `drafters/<target>/`)."""
-    from adaflash.models.checkpoint import load_drafter_for
-
-    bundle = load_drafter_for(src, target, dtype=torch.float32)
-    extra = {
-        name: (src / name).read_bytes()
-        for name in ("README.md", METRICS, "tau_vs_budget.png")
-        if (src / name).exists()
-    }
-    return save_drafter(
-        dst, bundle.drafter, bundle.length_head, bundle.meta, torch.float16, extra, bundle.draft_vocab
-    )
-
-
-def _hardware(device: torch.device) -> str:
-    """What the model card names as the run's machine."""
-    if device.type == "cuda":
-        return f"one {torch.cuda.get_device_name(device)} GPU"
-    return f"{torch.get_num_threads()} CPU threads"
 
 
 def _as_pass(seq: StoredSequence) -> SequencePass:
@@ -340,6 +327,45 @@ class BootstrapTrainer:
         c = self.cfg
         t_start = time.time()
         deadline = t_start + c.budget_minutes * 60 if c.budget_minutes else None
+        train_prompts, store, held = self._data(deadline)
+        vocab = self._vocab(store)
+        if c.standardize_fc and self.state.step == 0:
+            self._standardize_fc([store[i] for i in range(min(16, len(store)))])
+        self.progress(
+            "train_start",
+            {
+                "sequences": len(store),
+                "tokens": store.response_tokens(),
+                "vocab": vocab.size,
+                "steps": c.steps,
+            },
+        )
+        if not self.state.curve:
+            self._curve_point(held)
+        store, vocab, stopped_by_budget = self._train(store, vocab, train_prompts, held, deadline)
+        self._checkpoint(self._lineage(store, vocab))
+        while self.state.head_step < c.head_steps:
+            mse = self._head_step(store)
+            self.state.head_step += 1
+            self.progress("head", {"head_step": self.state.head_step, "mse": mse, "head_steps": c.head_steps})
+        self.progress("evaluate", {"sequences": len(held.passes)})
+        report = evaluate_acceptance(
+            self.drafter, self.target.model, held.passes, held.starts, held.domains, self.head, ngram=True
+        )
+        self.state.curve.append(
+            {
+                "step": self.state.step,
+                "train_minutes": round(self.state.train_seconds / 60, 2),
+                "dflash_tau": report["all"]["dflash_tau"],
+                "subset": "full",
+            }
+        )
+        self._checkpoint(self._lineage(store, vocab))
+        return self._write_metrics(store, report, stopped_by_budget, t_start, command)
+
+    def _data(self, deadline: float | None) -> tuple[list, FeatureStore, HeldOut]:
+        """The train prompts, the train feature store and the held-out sequences."""
+        c = self.cfg
         held_prompts = interleave(load_prompts("heldout", self.data_dir), c.eval_per_domain)
         heldout = self._responses("heldout", held_prompts, deadline)
         train_prompts = interleave(load_prompts("train", self.data_dir))[: c.max_train_prompts]
@@ -351,32 +377,23 @@ class BootstrapTrainer:
             )
         store = self._store("train", train)
         held_store = self._store("heldout", heldout)
-        vocab = self._vocab(store)
-        if c.standardize_fc and self.state.step == 0:
-            self._standardize_fc([store[i] for i in range(min(16, len(store)))])
-        held = [held_store[i] for i in range(len(held_store))]
-        held_passes = [_as_pass(s) for s in held]
-        held_starts = [s.prompt_len for s in held]
-        held_domains = [s.domain for s in held]
-        curve_idx = self._curve_subset(held_domains)
-        self.progress(
-            "train_start",
-            {
-                "sequences": len(store),
-                "tokens": store.response_tokens(),
-                "vocab": vocab.size,
-                "steps": c.steps,
-            },
+        seqs = [held_store[i] for i in range(len(held_store))]
+        domains = [s.domain for s in seqs]
+        held = HeldOut(
+            [_as_pass(s) for s in seqs], [s.prompt_len for s in seqs], domains, self._curve_subset(domains)
         )
-        if not self.state.curve:
-            self._curve_point(held_passes, held_starts, held_domains, curve_idx)
+        return train_prompts, store, held
+
+    def _train(
+        self, store: FeatureStore, vocab: VocabCut, train_prompts: list, held: HeldOut, deadline: float | None
+    ) -> tuple[FeatureStore, VocabCut, bool]:
+        """Optimiser steps up to `steps` (or the deadline), with curve points and checkpoints."""
+        c = self.cfg
         last_ckpt = time.time()
         eval_reserve = 0.0
-        stopped_by_budget = False
         while self.state.step < c.steps:
             if deadline is not None and time.time() + eval_reserve > deadline:
-                stopped_by_budget = True
-                break
+                return store, vocab, True
             if c.refresh_every_steps and self.state.step and self.state.step % c.refresh_every_steps == 0:
                 # Responses another process keeps generating into the cache join the store.
                 grown = self._responses("train", train_prompts, 0.0)
@@ -391,31 +408,18 @@ class BootstrapTrainer:
             self.progress("step", {**info, "step": self.state.step, "steps": c.steps})
             if self.state.step % c.curve_every_steps == 0:
                 t_eval = time.time()
-                self._curve_point(held_passes, held_starts, held_domains, curve_idx)
+                self._curve_point(held)
                 # The final evaluation covers all held-out sequences plus the head phase.
-                eval_reserve = (time.time() - t_eval) * (1 + len(held_passes) / max(len(curve_idx), 1))
+                eval_reserve = (time.time() - t_eval) * (1 + len(held.passes) / max(len(held.curve), 1))
             if time.time() - last_ckpt > c.checkpoint_every_minutes * 60:
                 self._checkpoint(self._lineage(store, vocab))
                 last_ckpt = time.time()
-        self._checkpoint(self._lineage(store, vocab))
-        while self.state.head_step < c.head_steps:
-            mse = self._head_step(store)
-            self.state.head_step += 1
-            self.progress("head", {"head_step": self.state.head_step, "mse": mse, "head_steps": c.head_steps})
+        return store, vocab, False
 
-        self.progress("evaluate", {"sequences": len(held_passes)})
-        report = evaluate_acceptance(
-            self.drafter, self.target.model, held_passes, held_starts, held_domains, self.head, ngram=True
-        )
-        self.state.curve.append(
-            {
-                "step": self.state.step,
-                "train_minutes": round(self.state.train_seconds / 60, 2),
-                "dflash_tau": report["all"]["dflash_tau"],
-                "subset": "full",
-            }
-        )
-        self._checkpoint(self._lineage(store, vocab))
+    def _write_metrics(
+        self, store: FeatureStore, report: dict, stopped_by_budget: bool, t_start: float, command: str
+    ) -> dict:
+        c = self.cfg
         metrics = {
             "target": self.target.name,
             "target_fingerprint": self.target.fingerprint,
@@ -425,7 +429,7 @@ class BootstrapTrainer:
             "stopped_by_budget": stopped_by_budget,
             "train_sequences": len(store),
             "train_tokens": store.response_tokens(),
-            "hardware": _hardware(self.device),
+            "hardware": model_card.hardware(self.device),
             "epochs": round(self.state.seen_blocks / max(store.response_tokens(), 1), 3),
             "heldout": report,
             "tau_vs_budget": self.state.curve,
@@ -474,13 +478,14 @@ class BootstrapTrainer:
                 picked[d].append(i)
         return [i for v in picked.values() for i in v]
 
-    def _curve_point(self, passes, starts, domains, idx) -> None:
+    def _curve_point(self, held: HeldOut) -> None:
+        idx = held.curve
         rep = evaluate_acceptance(
             self.drafter,
             self.target.model,
-            [passes[i] for i in idx],
-            [starts[i] for i in idx],
-            [domains[i] for i in idx],
+            [held.passes[i] for i in idx],
+            [held.starts[i] for i in idx],
+            [held.domains[i] for i in idx],
         )
         point = {
             "step": self.state.step,

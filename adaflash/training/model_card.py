@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 NAN = float("nan")
 
 
@@ -79,3 +81,10 @@ def render(m: dict, command: str) -> str:
             "",
         ]
     )
+
+
+def hardware(device: torch.device) -> str:
+    """What the model card names as the run's machine."""
+    if device.type == "cuda":
+        return f"one {torch.cuda.get_device_name(device)} GPU"
+    return f"{torch.get_num_threads()} CPU threads"

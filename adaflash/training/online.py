@@ -280,59 +280,70 @@ class OnlineTrainer:
             raise AdaFlashError("no trainable records: none has a served round inside its sequence")
         digest = buffer_digest(usable)
         self._resume(digest)
-        c = self.cfg
-        last_save = time.time()
         self.drafter.train()
-        while self.state.epoch < c.epochs:
-            order = list(range(len(usable)))
-            random.Random(c.seed + self.state.epoch).shuffle(order)
-            totals = self.state.partial or dict.fromkeys(TOTALS, 0.0)
-            self.state.partial = totals
-            while self.state.cursor < len(order):
-                # One optimiser step over the next grad_accum records, split over the ranks.
-                lo = self.state.cursor
-                hi = min(lo + c.grad_accum, len(order))
-                rank, world = (self.dp.rank, self.dp.world_size) if self.dp else (0, 1)
-                mine = step_shard(lo, hi, c.grad_accum, rank, world)
-                sums = self._accumulate(
-                    [usable[order[i]] for i in mine], mine.start, len(order), usable[order[lo]]
-                )
-                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
-                if not any(self._labels_head(usable[order[i]]) for i in range(lo, hi)):
-                    # No held-out label in this global step: AdamW skips a parameter without a
-                    # gradient, where a zero gradient would still move it by its momentum.
-                    for p in self.head.parameters():
-                        p.grad = None
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-                self.state.step += 1
-                self.state.cursor = hi
-                if self.dp is not None:
-                    sums = self.dp.all_reduce_sum(sums)
-                for name, value in zip(TOTALS, sums.tolist(), strict=True):
-                    totals[name] += value
-                if time.time() - last_save > c.checkpoint_every_minutes * 60:
-                    self._save_state(digest)
-                    last_save = time.time()
-            b = max(totals["blocks"], 1)
-            self.state.history.append(
-                {
-                    "epoch": self.state.epoch,
-                    "loss": totals["loss"] / b,
-                    # over the blocks the head learnt from (held-out: the prequential MSE)
-                    "head_mse": totals["head_mse"] / max(totals["head_blocks"], 1),
-                    "head_blocks": int(totals["head_blocks"]),
-                    # τ of the drafter while it trained on these blocks (counterfactual, full k)
-                    "train_tau": 1 + totals["accepted"] / b,
-                    "blocks": int(totals["blocks"]),
-                }
-            )
-            self.state.epoch += 1
-            self.state.cursor = 0
-            self.state.partial = {}
-            self._save_state(digest)
+        while self.state.epoch < self.cfg.epochs:
+            self._epoch(usable, digest)
         self.drafter.eval()
         self.head.eval()
+        return self._write(usable, digest, lineage)
+
+    def _epoch(self, usable: list[CleanRecord], digest: str) -> None:
+        """The rest of the current epoch (from the resumed cursor), then its history row."""
+        c = self.cfg
+        last_save = time.time()
+        order = list(range(len(usable)))
+        random.Random(c.seed + self.state.epoch).shuffle(order)
+        totals = self.state.partial or dict.fromkeys(TOTALS, 0.0)
+        self.state.partial = totals
+        while self.state.cursor < len(order):
+            self._step(usable, order, totals)
+            if time.time() - last_save > c.checkpoint_every_minutes * 60:
+                self._save_state(digest)
+                last_save = time.time()
+        b = max(totals["blocks"], 1)
+        self.state.history.append(
+            {
+                "epoch": self.state.epoch,
+                "loss": totals["loss"] / b,
+                # over the blocks the head learnt from (held-out: the prequential MSE)
+                "head_mse": totals["head_mse"] / max(totals["head_blocks"], 1),
+                "head_blocks": int(totals["head_blocks"]),
+                # τ of the drafter while it trained on these blocks (counterfactual, full k)
+                "train_tau": 1 + totals["accepted"] / b,
+                "blocks": int(totals["blocks"]),
+            }
+        )
+        self.state.epoch += 1
+        self.state.cursor = 0
+        self.state.partial = {}
+        self._save_state(digest)
+
+    def _step(self, usable: list[CleanRecord], order: list[int], totals: dict) -> None:
+        """One optimiser step over the next grad_accum records, split over the ranks."""
+        c = self.cfg
+        lo = self.state.cursor
+        hi = min(lo + c.grad_accum, len(order))
+        rank, world = (self.dp.rank, self.dp.world_size) if self.dp else (0, 1)
+        mine = step_shard(lo, hi, c.grad_accum, rank, world)
+        sums = self._accumulate([usable[order[i]] for i in mine], mine.start, len(order), usable[order[lo]])
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+        if not any(self._labels_head(usable[order[i]]) for i in range(lo, hi)):
+            # No held-out label in this global step: AdamW skips a parameter without a
+            # gradient, where a zero gradient would still move it by its momentum.
+            for p in self.head.parameters():
+                p.grad = None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.cursor = hi
+        if self.dp is not None:
+            sums = self.dp.all_reduce_sum(sums)
+        for name, value in zip(TOTALS, sums.tolist(), strict=True):
+            totals[name] += value
+
+    def _write(self, usable: list[CleanRecord], digest: str, lineage: dict | None) -> dict:
+        """The challenger's directory (main rank) and the run's metrics."""
+        c = self.cfg
         meta = DrafterMeta(
             target_fingerprint=self.target.fingerprint,
             target_name=self.target.name,
