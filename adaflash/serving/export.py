@@ -201,21 +201,8 @@ def export_drafter(
     if fmt == "vllm":
         cfg, state = _vllm_parts(src, cfg, state, bundle.draft_vocab, target_dir, dtype)
 
-    meta = json.loads((src / META).read_text())
-    lineage = meta.get("lineage") if isinstance(meta.get("lineage"), dict) else {}
-    version = lineage.get("version")
-    # Inside the lineage (a free-form record), so the exported folder still loads as a drafter here.
-    meta["lineage"] = {
-        **lineage,
-        "export": {
-            "format": fmt,
-            "source": str(src.resolve()),
-            "version": version,
-            "dtype": dtype,
-            "block_size": c.block_size,
-            "exported_at": time.time(),
-        },
-    }
+    meta = _export_meta(src, fmt, dtype, c.block_size)
+    version = meta["lineage"]["export"]["version"]
 
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -239,6 +226,23 @@ def export_drafter(
         tmp.rename(out)
     return Exported(out, c.block_size, c.num_layers, bundle.meta.target_fingerprint,
                     None if version is None else str(version))  # fmt: skip
+
+
+def _export_meta(src: Path, fmt: str, dtype: str, block_size: int) -> dict:
+    """The source's adaflash.json with the export recorded inside its lineage (a free-form record),
+    so the exported folder still loads as one of our drafters."""
+    meta = json.loads((src / META).read_text())
+    lineage = meta.get("lineage") if isinstance(meta.get("lineage"), dict) else {}
+    record = {
+        "format": fmt,
+        "source": str(src.resolve()),
+        "version": lineage.get("version"),
+        "dtype": dtype,
+        "block_size": block_size,
+        "exported_at": time.time(),
+    }
+    meta["lineage"] = {**lineage, "export": record}
+    return meta
 
 
 def _vllm_parts(src: Path, cfg: dict, state: dict, vocab, target_dir, dtype: str) -> tuple[dict, dict]:
