@@ -14,23 +14,20 @@ import logging
 import random
 import re
 import sqlite3
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from adaflash.bench.pii_quality import probe_record
 from adaflash.feedback import topics
 from adaflash.feedback.schema import (
     CleanRecord,
     FeedbackRecord,
-    Latency,
     QuarantineRecord,
-    SamplingParams,
 )
 from adaflash.governance.governor import GovernanceConfig, Governor, Message
 from adaflash.governance.pii import PiiScrubber
 from adaflash.governance.service import GovernanceService
-from adaflash.governance.synthetic import _rounds
 from adaflash.workloads import load_prompts
 from tests.kafka_util import produce, read_topic, running_broker
 from tests.pii_canaries import TUNING, Canary
@@ -41,28 +38,6 @@ FILLER = [
     "def total(xs):\n    return sum(x for x in xs if x > 0)\n",
     "The answer is 42. Let me know if anything else is unclear.",
 ]
-
-
-def _record(vocab, prompt: str, output: str, when: datetime, rng: random.Random) -> FeedbackRecord:
-    tok = vocab.tokenizer
-    p_ids, o_ids = tok.encode(prompt), tok.encode(output)
-    return FeedbackRecord(
-        request_id=uuid.uuid4().hex,
-        tenant_id=f"tenant-{rng.randrange(8):02d}",
-        created_at=when,
-        target_fingerprint=vocab.fingerprint,
-        drafter_version="3",
-        method="adaflash",
-        block_size=16,
-        sampling=SamplingParams(temperature=0.0, max_tokens=256),
-        prompt_text=tok.decode(p_ids),
-        output_text=tok.decode(o_ids),
-        prompt_token_ids=p_ids,
-        output_token_ids=o_ids,
-        rounds=_rounds(len(o_ids), 16, rng),
-        latency=Latency(ttft_ms=30.0, e2e_ms=500.0),
-        finish_reason="stop",
-    )
 
 
 def _corpus_records(vocab, corpus: list[Canary], seed: int) -> list[tuple[FeedbackRecord, Canary]]:
@@ -76,7 +51,7 @@ def _corpus_records(vocab, corpus: list[Canary], seed: int) -> list[tuple[Feedba
             prompt, output = f"{rng.choice(base)}\n{c.text}\nThanks in advance.", rng.choice(FILLER)
         else:
             prompt, output = rng.choice(base), f"{rng.choice(FILLER)}\n{c.text}\nAnything else?"
-        out.append((_record(vocab, prompt, output, t0 + timedelta(seconds=7 * i), rng), c))
+        out.append((probe_record(vocab, prompt, output, t0 + timedelta(seconds=7 * i), rng), c))
     return out
 
 
@@ -158,7 +133,7 @@ def test_surrogates_are_consistent_realistic_and_retokenise_exactly(tmp_path, vo
     )
     output = "Thank you, Mr Wiśniewski. The card 4539 1488 0343 6467 was charged once."
     gen = random.Random(3)
-    rec = _record(vocab, prompt, output, datetime(2026, 12, 1, tzinfo=UTC), gen)
+    rec = probe_record(vocab, prompt, output, datetime(2026, 12, 1, tzinfo=UTC), gen)
     gov = Governor(GovernanceConfig(data_dir=tmp_path / "gov"), vocab, scrubber)
     out = gov.govern([Message(topics.RAW, 0, 0, None, rec.to_bytes())])
     assert len(out.clean) == 1
@@ -219,9 +194,9 @@ def test_unsure_record_is_quarantined_without_text(tmp_path, vocab, scrubber):
     rng = random.Random(5)
     when = datetime(2026, 12, 1, tzinfo=UTC)
     # a bare 9-digit run with a valid BSN/11-proof checksum and no context word: the second pass cannot tell
-    unsure = _record(vocab, "Reference 422901209 please.", "Noted.", when, rng)
-    normal = _record(vocab, "What is 12 times 7?", "84.", when + timedelta(seconds=1), rng)
-    bad_vocab = _record(
+    unsure = probe_record(vocab, "Reference 422901209 please.", "Noted.", when, rng)
+    normal = probe_record(vocab, "What is 12 times 7?", "84.", when + timedelta(seconds=1), rng)
+    bad_vocab = probe_record(
         vocab, "My name is Siddharth Venkataraman.", "Hello.", when + timedelta(seconds=2), rng
     )
     bad_vocab = bad_vocab.model_copy(update={"output_token_ids": [vocab.vocab_size + 5]})

@@ -21,7 +21,8 @@ from adaflash.governance.governor import Governor, Message
 from adaflash.governance.synthetic import _rounds
 
 
-def _record(vocab, prompt: str, output: str, when: datetime, rng: random.Random) -> FeedbackRecord:
+def probe_record(vocab, prompt: str, output: str, when: datetime, rng: random.Random) -> FeedbackRecord:
+    """A served record carrying `prompt`/`output` (the PII probes' and the tests' one builder)."""
     tok = vocab.tokenizer
     p_ids, o_ids = tok.encode(prompt), tok.encode(output)
     return FeedbackRecord(
@@ -66,7 +67,8 @@ def probe_recall(gov: Governor, probes, seed: int = 0) -> dict:
     rng = random.Random(seed)
     t0 = datetime(2026, 12, 1, tzinfo=UTC)
     recs = [
-        _record(gov.vocab, p.prompt, p.output, t0 + timedelta(seconds=i), rng) for i, p in enumerate(probes)
+        probe_record(gov.vocab, p.prompt, p.output, t0 + timedelta(seconds=i), rng)
+        for i, p in enumerate(probes)
     ]
     stored = emitted(gov, recs)
     caught: dict[str, Counter] = {"kind": Counter(), "placement": Counter()}
