@@ -8,6 +8,7 @@ import random
 import time
 from datetime import UTC, datetime, timedelta
 
+from adaflash.bench.pii_quality import probe_record
 from adaflash.feedback import topics
 from adaflash.feedback.schema import CleanRecord
 from adaflash.governance.governor import GovernanceConfig, Governor
@@ -17,7 +18,7 @@ from adaflash.serving.suffix_feed import CleanFeed
 from tests.conftest import clean_record
 from tests.kafka_util import produce, read_topic, running_broker
 from tests.pii_canaries import TUNING
-from tests.test_governance_pii import FILLER, _leaks, _record
+from tests.test_governance_pii import FILLER, _leaks
 
 TOOL = 'get_weather(city="{city}", unit="celsius")\nThe forecast for {city} is mild.'
 
@@ -36,10 +37,10 @@ def test_cache_learns_only_governed_consented_responses_without_pii(tmp_path, vo
     records = []
     for i, c in enumerate(canaries):  # PII planted in the answer: what the cache would learn
         out = f"{FILLER[i % 3]}\n{c.text}\n{TOOL.format(city=['Oslo', 'Lima', 'Pune'][i % 3])}"
-        records.append(_record(vocab, "Please answer.", out, t0 + timedelta(seconds=7 * i), rng))
-    opted_out = _record(vocab, "Q", "opted out answer: " + TOOL.format(city="Quito"), t0, rng)
+        records.append(probe_record(vocab, "Please answer.", out, t0 + timedelta(seconds=7 * i), rng))
+    opted_out = probe_record(vocab, "Q", "opted out answer: " + TOOL.format(city="Quito"), t0, rng)
     opted_out.consent = False
-    broken = _record(vocab, "Q", "quarantined answer: " + TOOL.format(city="Cairo"), t0, rng)
+    broken = probe_record(vocab, "Q", "quarantined answer: " + TOOL.format(city="Cairo"), t0, rng)
     broken.output_token_ids = [*broken.output_token_ids, 10**6]  # out of the vocabulary
     records += [opted_out, broken]
     with running_broker(tmp_path / "broker") as broker:
@@ -85,7 +86,7 @@ def test_feed_skips_other_targets_and_unparseable_messages(vocab):
     rng = random.Random(1)
     cache = SuffixCache()
     feed = CleanFeed(cache, "127.0.0.1:1", vocab.fingerprint)
-    rec = _record(vocab, "Q", "an answer long enough to learn from", datetime.now(UTC), rng)
+    rec = probe_record(vocab, "Q", "an answer long enough to learn from", datetime.now(UTC), rng)
     other = rec.model_copy(update={"target_fingerprint": "another-target", "record_id": "x"})
     assert not feed.apply(clean_record(other, topic=topics.RAW).model_dump_json().encode(), "c/0", 0)
     assert not feed.apply(b"{not json", "c/0", 1)
