@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.pii_free_corpus import pii_free_corpus
 
 
@@ -148,15 +150,56 @@ def test_quarantine_hashes_are_keyed_and_rotate_by_config(tmp_path):
     from adaflash.governance.quarantine import KEY_ENV, KEY_FILE_ENV, KEY_ID_ENV, key_from_env, matches
 
     text = "My BSN is 111222333, please update my address."
-    k1 = key_from_env({KEY_ENV: "s3cret-one", KEY_ID_ENV: "2026-11"})
-    (tmp_path / "key").write_text("s3cret-two\n")
+    one, two = "3f9c1e-s3cret-one-b27d", "a81d44-s3cret-two-0c6e"
+    k1 = key_from_env({KEY_ENV: one, KEY_ID_ENV: "2026-11"})
+    (tmp_path / "key").write_text(two + "\n")  # a mounted Secret's file may end in a newline
     k2 = key_from_env({KEY_FILE_ENV: str(tmp_path / "key"), KEY_ID_ENV: "2026-12"})
     h1, h2 = k1.hash(text), k2.hash(text)
     assert h1.startswith("hmac-sha256:2026-11:") and h2.startswith("hmac-sha256:2026-12:")
     assert hashlib.sha256(text.encode()).hexdigest() not in h1 + h2 and h1[-64:] != h2[-64:]
-    assert h1 == key_from_env({KEY_ENV: "s3cret-one", KEY_ID_ENV: "2026-11"}).hash(text)  # stable
-    ring = {"2026-11": b"s3cret-one", "2026-12": b"s3cret-two"}
+    assert h1 == key_from_env({KEY_ENV: one, KEY_ID_ENV: "2026-11"}).hash(text)  # stable
+    ring = {"2026-11": one.encode(), "2026-12": two.encode()}
     assert matches(text, h1, ring) and matches(text, h2, ring)
     assert not matches(text.replace("111", "112"), h1, ring) and not matches(text, h1, {"2026-11": b"x"})
     eph = key_from_env({})  # no key configured: random, never the same twice
     assert eph.key_id.startswith("ephemeral-") and eph.hash(text) != key_from_env({}).hash(text)
+
+
+def test_a_required_missing_unreadable_or_short_hash_key_stops_governance_at_start(
+    tmp_path, vocab, scrubber, monkeypatch, caplog
+):
+    """The cluster sets ADAFLASH_QUARANTINE_HASH_KEY_REQUIRED (manifests/base/governance.yaml): a
+    Governor is then not built without a key. A configured key that cannot be used stops it
+    everywhere; with no key and no requirement it starts, saying so once."""
+    from adaflash.governance import quarantine as q
+    from adaflash.governance.governor import GovernanceConfig, Governor
+
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "short").write_text("changeme")
+    bad = [
+        {q.REQUIRED_ENV: "true"},
+        {q.REQUIRED_ENV: "true", q.KEY_ID_ENV: "2026-12"},  # an id alone is no key
+        {q.KEY_FILE_ENV: str(tmp_path / "absent")},
+        {q.KEY_FILE_ENV: str(tmp_path / "empty")},
+        {q.KEY_FILE_ENV: str(tmp_path / "short")},
+        {q.KEY_ENV: "hunter2"},
+    ]
+    for env in bad:
+        with pytest.raises(q.HashKeyError):
+            q.key_from_env(env)
+    for var in (q.KEY_ENV, q.KEY_FILE_ENV, q.KEY_ID_ENV):
+        monkeypatch.delenv(var, raising=False)
+    cfg = GovernanceConfig(data_dir=tmp_path / "gov")
+    try:
+        monkeypatch.setenv(q.REQUIRED_ENV, "true")
+        q.process_key.cache_clear()
+        with pytest.raises(q.HashKeyError, match="Secret"):
+            Governor(cfg, vocab, scrubber)
+        assert not (tmp_path / "gov").exists()  # refused before it wrote anything
+        monkeypatch.delenv(q.REQUIRED_ENV)
+        q.process_key.cache_clear()
+        with caplog.at_level("WARNING", logger=q.__name__):
+            Governor(cfg, vocab, scrubber).lineage.close()
+        assert "random per-process key" in caplog.text  # at start, before any record is quarantined
+    finally:
+        q.process_key.cache_clear()

@@ -43,7 +43,8 @@ CRD_KINDS = {
 # Created by the operator before `kubectl apply` in production (never committed).
 OUT_OF_BAND_SECRETS = {
     "production": {"mlflow-db", "mlflow-s3", "gateway-api-keys"}
-    | {"mlflow-auth", "mlflow-reader", "mlflow-writer"},  # MLflow basic auth (base/mlflow-users.yaml)
+    | {"mlflow-auth", "mlflow-reader", "mlflow-writer"}  # MLflow basic auth (base/mlflow-users.yaml)
+    | {"quarantine-hash-key"},  # the HMAC key of quarantine hashes (base/governance.yaml)
     "local-kind": set(),
 }
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
@@ -555,3 +556,50 @@ def test_mlflow_needs_a_login_and_serving_logs_in_read_only(overlay):
                 assert env.get(var, {}).get("name", "").startswith("mlflow-reader"), (c["name"], var)
             readers += 1
     assert readers >= 2  # the SGLang export and the fleet controller at least
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_governance_hashes_quarantine_under_a_key_from_a_secret(overlay, tmp_path):
+    """Issue 33: quarantine records keep HMACs of the original texts, so the governance pod needs a
+    key that outlives it, from a Secret (never a value in the manifests), and refuses to start
+    without one. The key as the container sees it is fed to the real key loader."""
+    import base64
+
+    from adaflash.governance.quarantine import (
+        KEY_ENV,
+        KEY_FILE_ENV,
+        KEY_ID_ENV,
+        MIN_KEY_BYTES,
+        REQUIRED_ENV,
+        HashKeyError,
+        key_from_env,
+    )
+
+    docs = render(overlay)
+    ((deploy, spec),) = [(d, s) for d, s in pod_specs(docs) if d["metadata"]["name"] == "governance"]
+    (c,) = [c for c in spec["containers"] if c["command"][1:3] == ["governance", "run"]]
+    env = {e["name"]: e for e in c.get("env", [])}
+    assert KEY_ENV not in env, "the key comes from a mounted Secret file, never an env value"
+    assert env[REQUIRED_ENV]["value"] == "true", "without a key governance must refuse to start"
+    key_path = Path(env[KEY_FILE_ENV]["value"])
+    (mount,) = [m for m in c["volumeMounts"] if key_path.is_relative_to(m["mountPath"])]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]  # a Secret volume, nothing else
+    (item,) = [i for i in secret["items"] if Path(mount["mountPath"]) / i["path"] == key_path]
+    key_id_ref = env[KEY_ID_ENV]["valueFrom"]["secretKeyRef"]
+    assert key_id_ref["name"] == secret["secretName"]  # the id rotates with the key it names
+    # Readable by the pod's user: through its fsGroup (the files' group), or by anyone.
+    mode = secret.get("defaultMode", 0o644)
+    assert mode & 0o004 or (mode & 0o040 and spec["securityContext"].get("fsGroup") is not None)
+
+    generated = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == secret["secretName"]]
+    if overlay == "production":  # created out of band (docs/governance.md), never rendered
+        assert not generated and secret["secretName"] in OUT_OF_BAND_SECRETS[overlay]
+        return
+    data = {k: base64.b64decode(v) for k, v in generated[0]["data"].items()}
+    (tmp_path / "key").write_bytes(data[item["key"]])
+    pod_env = {KEY_FILE_ENV: str(tmp_path / "key"), KEY_ID_ENV: data[key_id_ref["key"]].decode()}
+    key = key_from_env({**pod_env, REQUIRED_ENV: env[REQUIRED_ENV]["value"]})
+    assert len(key.secret) >= MIN_KEY_BYTES and key.hash("x").startswith(f"hmac-sha256:{key.key_id}:")
+    with pytest.raises(HashKeyError):  # the Secret not mounted: no start
+        key_from_env({KEY_FILE_ENV: str(tmp_path / "absent"), REQUIRED_ENV: "true"})

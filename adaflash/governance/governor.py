@@ -45,7 +45,7 @@ from adaflash.governance.filters import FloodFilter, NearDuplicateFilter, minhas
 from adaflash.governance.lineage import BatchAudit, LineageStore, RecordRow, ShardRow
 from adaflash.governance.payloads import message_id, over_caps, rebuild, schema_code, strings_of
 from adaflash.governance.pii import PiiScrubber, replaced_spans
-from adaflash.governance.quarantine import audit_quarantine
+from adaflash.governance.quarantine import audit_quarantine, process_key
 from adaflash.governance.retokenize import scrub_token_ids
 from adaflash.models.targets import Vocabulary
 
@@ -79,6 +79,7 @@ class Governor:
         scrubber: PiiScrubber | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        process_key()  # a missing or unreadable quarantine hash key fails here, at start
         self.cfg = cfg
         self.clock = clock  # governance's own time: a record's created_at may not run ahead of it
         self.vocab = vocab

@@ -12,7 +12,11 @@ with a 9-digit id is brute-forced in minutes. The key comes from `ADAFLASH_QUARA
 reads `hmac-sha256:<key id>:<hex>`, so rotating is a config change (a new key under a new id):
 hashes made under an old key stay checkable by whoever holds that key (`matches`). Without a
 configured key a random one is drawn per process, with a warning: its hashes can neither be
-brute-forced nor matched later.
+brute-forced nor matched later. That is fine on one machine, but a cluster's auditors need to
+match hashes, so the Deployment sets `ADAFLASH_QUARANTINE_HASH_KEY_REQUIRED=true` and a missing
+key stops governance at start instead. A configured key that cannot be read, or one shorter than
+16 bytes (a guessable key is as weak as no key), stops it everywhere. The key is resolved when a
+`Governor` is built, so all of this shows at start, not at the first quarantined record.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import hmac
 import logging
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from adaflash.errors import AdaFlashError
 from adaflash.feedback.schema import FeedbackRecord, Provenance, QuarantineReason, QuarantineRecord
 
 log = logging.getLogger(__name__)
@@ -33,7 +39,13 @@ log = logging.getLogger(__name__)
 KEY_ENV = "ADAFLASH_QUARANTINE_HASH_KEY"
 KEY_FILE_ENV = "ADAFLASH_QUARANTINE_HASH_KEY_FILE"
 KEY_ID_ENV = "ADAFLASH_QUARANTINE_HASH_KEY_ID"
+REQUIRED_ENV = "ADAFLASH_QUARANTINE_HASH_KEY_REQUIRED"
+MIN_KEY_BYTES = 16
 _SCHEME = "hmac-sha256"
+
+
+class HashKeyError(AdaFlashError):
+    """The quarantine hash key is required but missing, unreadable or too short."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +58,23 @@ class HashKey:
         return f"{_SCHEME}:{self.key_id}:{mac.hexdigest()}"
 
 
-def key_from_env(env: dict[str, str] | None = None) -> HashKey:
+def key_from_env(env: Mapping[str, str] | None = None) -> HashKey:
     """The configured key (see the module doc), or a random per-process one."""
     env = os.environ if env is None else env
     key_id = env.get(KEY_ID_ENV, "default")
-    if env.get(KEY_ENV):
-        return HashKey(key_id, env[KEY_ENV].encode())
-    if env.get(KEY_FILE_ENV):
-        return HashKey(key_id, Path(env[KEY_FILE_ENV]).read_bytes().strip())
+    secret = _configured_secret(env)
+    if secret is not None:
+        if len(secret) < MIN_KEY_BYTES:
+            raise HashKeyError(
+                f"the quarantine hash key {key_id!r} has {len(secret)} bytes, at least {MIN_KEY_BYTES} are "
+                "needed (make one with `openssl rand -hex 32`)"
+            )
+        return HashKey(key_id, secret)
+    if env.get(REQUIRED_ENV, "").strip().lower() in ("1", "true", "yes"):
+        raise HashKeyError(
+            f"{REQUIRED_ENV} is set but neither {KEY_ENV} nor {KEY_FILE_ENV} is: quarantine hashes "
+            "would use a random key nobody can match later (mount the quarantine-hash-key Secret)"
+        )
     log.warning(
         "no %s / %s: quarantine hashes use a random per-process key and cannot be matched later",
         KEY_ENV,
@@ -62,13 +83,32 @@ def key_from_env(env: dict[str, str] | None = None) -> HashKey:
     return HashKey("ephemeral-" + secrets.token_hex(4), secrets.token_bytes(32))
 
 
+def _configured_secret(env: Mapping[str, str]) -> bytes | None:
+    if env.get(KEY_ENV):
+        return env[KEY_ENV].encode()
+    if not env.get(KEY_FILE_ENV):
+        return None
+    path = Path(env[KEY_FILE_ENV])
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as exc:
+        raise HashKeyError(
+            f"{KEY_FILE_ENV}={path}: cannot read the quarantine hash key ({exc.strerror})"
+        ) from None
+    if not secret:
+        raise HashKeyError(f"{KEY_FILE_ENV}={path} is empty")
+    return secret
+
+
 @lru_cache(maxsize=1)
-def _process_key() -> HashKey:
+def process_key() -> HashKey:
+    """This process's key, resolved once (the `Governor` asks at construction, so a missing or bad
+    key shows at start)."""
     return key_from_env()
 
 
 def keyed_hash(text: str, key: HashKey | None = None) -> str:
-    return (key or _process_key()).hash(text)
+    return (key or process_key()).hash(text)
 
 
 def matches(text: str, stored: str, keys: dict[str, bytes]) -> bool:
