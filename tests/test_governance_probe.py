@@ -203,3 +203,33 @@ def test_a_required_missing_unreadable_or_short_hash_key_stops_governance_at_sta
         assert "random per-process key" in caplog.text  # at start, before any record is quarantined
     finally:
         q.process_key.cache_clear()
+
+
+DOB_WRITTEN = [
+    ("born 14/03/1990", "14/03/1990"), ("DOB: 1990-03-14", "1990-03-14"),
+    ("date of birth: 12th of March, 1990", "12th of March, 1990"),
+    ("birthday March 14th, 1990", "March 14th, 1990"), ("Geburtsdatum: 14. März 1990", "14. März 1990"),
+    ("née le 3 décembre 1982", "3 décembre 1982"),
+    ("fecha de nacimiento: 14 de enero de 1990", "14 de enero de 1990"),
+    ("data di nascita 3 maggio 1977", "3 maggio 1977"), ("geboortedatum 3 maart 1977", "3 maart 1977"),
+    ("生年月日：1990年3月14日", "1990年3月14日"), ("생년월일 1990년 3월 14일", "1990년 3월 14일"),
+    ("Дата рождения: 14.03.1990", "14.03.1990"), ('"dob": "1979-08-22"', "1979-08-22"),
+    ("data de nascimento: 5 de julho de 1988", "5 de julho de 1988"), ("bday 3/4/90", "3/4/90"),
+]  # fmt: skip
+
+
+def test_one_date_of_birth_rule_for_every_language():
+    """A date in any of the common shapes is a date of birth next to a birth word in any of the
+    languages, and only there (changelogs, invoices, word problems keep their dates)."""
+    from adaflash.governance.pii_dates import dates_of_birth
+    from adaflash.governance.pii_rules import second_pass
+
+    for text, date in DOB_WRITTEN:
+        hits: list = []
+        dates_of_birth(text, hits)
+        assert [text[h.start : h.end] for h in hits] == [date], text
+        assert [h.entity for h in second_pass(text).hits if h.entity == "DATE_OF_BIRTH"] == ["DATE_OF_BIRTH"]
+    for text in ("Release 2024-05-17 shipped", "invoice dated 14/03/1990", "Sep 12, 2020: fixed the build"):
+        hits = []
+        dates_of_birth(text, hits)
+        assert hits == [], text

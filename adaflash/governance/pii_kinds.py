@@ -1,8 +1,9 @@
 """Rules for the kinds an independent probe found leaking (issue 33), part of the second pass:
 vehicle plates, GPS coordinates (decimal pairs, DMS, `geo:` URIs, map URLs), medical record
 numbers, ETH and bech32 BTC addresses, dotted and CJK-adjacent national ids, Korean RRNs, CJK
-addresses, dates of birth in several languages, e-mails written with `&#64;` / `＠` / `%40`,
-hex API keys next to a key word, and names in non-Latin scripts after a cue in any language.
+addresses, e-mails written with `&#64;` / `＠` / `%40`, hex API keys next to a key word, and names
+in non-Latin scripts after a cue in any language. Dates of birth in every language are
+`pii_dates.py`'s (the second pass runs it).
 
 Every pattern is bounded (issue 32: a scan must stay linear on one long word).
 """
@@ -139,34 +140,6 @@ def _cjk_addresses(text: str, hits: list[Hit]) -> None:
             hits.append(Hit(m.start(), m.end(), "STREET_ADDRESS"))
 
 
-# -- dates of birth in several languages ------------------------------------------------------------------
-_DOB_CTX = re.compile(
-    r"(?i)\bborn\b|\bdob\b|d\.o\.b|birth|geboren|\bgeb\.|geburts|n[ée]e?\s+le|naissance|nacimiento|\bnac[ií]|"
-    r"nascita|\bnat[oa]\s+il|nascimento|nascid[oa]|geboorte|рождени|родил|生まれ|生年月日|誕生日|出生|생년월일|"
-    r"태어|urodzon|data\s+urodzenia|f[øo]dt|född|syntynyt|doğum"
-)
-_MONTH_WORDS = (
-    r"(?:jan|feb|f[ée]v|m[äa]r|apr|avr|abr|ma[iy]|mei|jun|juin|jul|juil|aug|ao[uû]|ago|sep|set|o[ck]t|out|nov|"
-    r"de[czs]|dic|gen|giu|lug)[a-zäéû]{0,8}\.?"
-)
-_DOB_DATE = re.compile(
-    r"(?<!\d)(?:\d{1,2}[./\-]\s?\d{1,2}[./\-]\s?(?:19|20)?\d{2}|(?:19|20)\d{2}[./\-]\d{1,2}[./\-]\d{1,2}|"
-    r"(?:19|20)\d{2}\s?[年년]\s?\d{1,2}\s?[月월]\s?\d{1,2}\s?[日일]?|"
-    r"\d{1,2}\.?\s+(?:de\s+)?"
-    + _MONTH_WORDS
-    + r"\s+(?:de\s+)?(?:19|20)\d{2}|"
-    + _MONTH_WORDS
-    + r"\s+\d{1,2}(?:st|nd|rd|th)?,?\s+(?:19|20)\d{2})(?!\d)",
-    re.IGNORECASE,
-)
-
-
-def _dates_of_birth(text: str, hits: list[Hit]) -> None:
-    for m in _DOB_DATE.finditer(text):
-        if _ctx(_DOB_CTX, text, m.start(), m.end(), 48, 16):
-            hits.append(Hit(m.start(), m.end(), "DATE_OF_BIRTH"))
-
-
 # -- e-mails written with an entity, a full-width or a percent-encoded @ -----------------------------------
 _ODD_EMAIL = re.compile(
     r"(?<![A-Za-z0-9._%+\-])[A-Za-z0-9._%+\-]{1,64}(?:&#0*64;|&#[xX]0*40;|&commat;|＠|%40|\s?\[@\]\s?)"
@@ -196,7 +169,6 @@ def kind_hits(text: str, hits: list[Hit], regions: list) -> None:
     _coordinates(text, hits)
     _ids(text, hits, regions)
     _cjk_addresses(text, hits)
-    _dates_of_birth(text, hits)
     _odd_emails_and_keys(text, hits, regions)
     script_names(text, hits)
 

@@ -11,7 +11,8 @@ policy rather than a model:
     the user part of profile URLs and URL credentials;
   - credentials: key shapes of well-known providers, `password = ...` assignments, PEM blocks and
     high-entropy tokens (detect-secrets-style Shannon entropy + character-class shape);
-  - dates next to birth words, postcodes, street addresses in several countries' formats;
+  - dates next to birth words (`pii_dates.py`), postcodes, street addresses in several countries'
+    formats;
   - person names: capitalised runs scored against first/last-name lists of ~80 locales (faker's
     data) and an English word list, names after cues (titles, `Author:`, `Signed-off-by:`, JSON
     name keys, CSV name columns).
@@ -26,6 +27,7 @@ import re
 from collections import Counter
 from functools import lru_cache
 
+from adaflash.governance.pii_dates import dates_of_birth
 from adaflash.governance.pii_guard import overlaps, protected
 from adaflash.governance.pii_names import find_names
 from adaflash.governance.pii_spans import Hit, SecondPass
@@ -46,18 +48,12 @@ _PHONE_CONTEXT = (
     r"handy|portable|telefon|telefono|telefone|hotline|number's|contact\s+number|\bsms\b|"
     r"\bmob\b|numer|nummer|num[ée]ro|n[úu]mero"
 )
-_DOB_CONTEXT = (
-    r"\bborn\b|\bdob\b|d\.o\.b|date\s+of\s+birth|birth\s*day|birth\s*date|geburtsdatum|geboren|"
-    r"fecha\s+de\s+nacimiento|date\s+de\s+naissance|data\s+di\s+nascita|n[ée]e?\s+le|"
-    r"data\s+de\s+nascimento|\"dob\"|'dob'|\bbday\b"
-)
 _POSTCODE_CONTEXT = (
     r"postcode|post\s+code|postal\s+code|\bzip\b|zip\s*code|\bplz\b|postleitzahl|code\s+postal|"
     r"\bcap\b|\bcep\b"
 )
 _RE_ID_CTX = re.compile(_ID_CONTEXT, re.IGNORECASE)
 _RE_PHONE_CTX = re.compile(_PHONE_CONTEXT, re.IGNORECASE)
-_RE_DOB_CTX = re.compile(_DOB_CONTEXT, re.IGNORECASE)
 _RE_POST_CTX = re.compile(_POSTCODE_CONTEXT, re.IGNORECASE)
 
 
@@ -310,30 +306,6 @@ def _addresses(text: str, hits: list[Hit]) -> None:
             hits.append(Hit(m.start(), m.end(), "STREET_ADDRESS"))
 
 
-# -- dates of birth ------------------------------------------------------------------------------
-_MONTHS = (
-    r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sep(?:t(?:ember)?)?|"
-    r"Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?|janvier|février|mars|avril|mai|juin|juillet|août|septembre|"
-    r"octobre|novembre|décembre|enero|febrero|marzo|abril|mayo|junio|julio|agosto|septiembre|octubre|"
-    r"noviembre|diciembre|Januar|Februar|März|Juni|Juli|Oktober|Dezember)\.?"
-)
-_DATE = re.compile(
-    r"\b(?:\d{1,2}[/.\-]\d{1,2}[/.\-](?:19|20)?\d{2}|(?:19|20)\d{2}[/.\-]\d{1,2}[/.\-]\d{1,2}|"
-    r"\d{1,2}(?:st|nd|rd|th)?\s+(?:of\s+)?"
-    + _MONTHS
-    + r",?\s+(?:19|20)\d{2}|"
-    + _MONTHS
-    + r"\s+\d{1,2}(?:st|nd|rd|th)?,?\s+(?:19|20)\d{2})\b",
-    re.IGNORECASE,
-)
-
-
-def _dates_of_birth(text: str, hits: list[Hit]) -> None:
-    for m in _DATE.finditer(text):
-        if _near(_RE_DOB_CTX, text, m.start(), m.end(), 40, 16):
-            hits.append(Hit(m.start(), m.end(), "DATE_OF_BIRTH"))
-
-
 # -- e-mail and contact handles ----------------------------------------------------------------------
 _EMAIL = re.compile(
     r"(?<![\w.+\-])[\w.+\-]{0,63}\w@[\w\-]+(?:\.[\w\-]+)+"  # any TLD; a local part is <= 64
@@ -484,6 +456,6 @@ def second_pass(text: str, regions: list[tuple[int, int]] | None = None) -> Seco
     _identifiers(text, hits, unsure, regions)
     _postcodes(text, hits)
     _addresses(text, hits)
-    _dates_of_birth(text, hits)
+    dates_of_birth(text, hits)
     find_names(text, hits)
     return SecondPass(hits, unsure)
