@@ -10,3 +10,9 @@ from pathlib import Path
 
 def cache_root() -> Path:
     return Path(os.environ.get("ADAFLASH_CACHE", Path.home() / ".cache" / "adaflash"))
+
+
+def governance_dir(home: Path) -> Path:
+    """Governance's state under a runtime home (`$ADAFLASH_HOME`, a stack's or the demo's): buffer,
+    lineage, quarantine. Its inner layout belongs to `GovernanceConfig`."""
+    return home / "governance"

@@ -17,6 +17,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from adaflash.paths import governance_dir
+
 console = Console()
 err_console = Console(stderr=True)  # progress and logs: stdout stays for results (--json, paths)
 
@@ -51,7 +53,7 @@ def adaflash_home() -> Path:
 
 
 def governance_state(data_dir: Path | None) -> Path:
-    return data_dir or adaflash_home() / "governance"
+    return data_dir or governance_dir(adaflash_home())
 
 
 def setup_torch() -> None:

@@ -33,6 +33,7 @@ from adaflash.errors import AdaFlashError
 from adaflash.feedback.broker import PLAINTEXT, Broker, ensure_topics
 from adaflash.feedback.security import plaintext_env
 from adaflash.ops.supervisor import RestartPolicy, Supervisor, Unit, read_state
+from adaflash.paths import governance_dir
 from adaflash.procs import alive, pid_from_file, terminate
 from adaflash.registry.server import RegistryServer
 
@@ -154,7 +155,7 @@ class Stack:
         d = cfg.home / "stack"
         self.broker = Broker(cfg.home / "broker", port=cfg.broker_port)
         self.registry = RegistryServer(cfg.home / "mlflow", port=cfg.registry_port)  # = `registry server`
-        gov = str(cfg.home / "governance")
+        gov = str(governance_dir(cfg.home))
         serve = ["serve", "--target", cfg.target, "--port", str(cfg.serve_port)]
         serve += ["--bootstrap-servers", cfg.bootstrap_servers, "--follow-registry", cfg.tracking_uri]
         serve += ["--spool-dir", str(cfg.home / "spool"), *cfg.serve_args]

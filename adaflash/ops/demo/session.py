@@ -17,6 +17,7 @@ from rich.console import Console
 
 from adaflash.feedback.broker import free_port
 from adaflash.ops.demo.config import ScenarioConfig, ScenarioError
+from adaflash.paths import governance_dir
 from adaflash.procs import cpu_seconds
 
 
@@ -92,7 +93,7 @@ class Session:
 
     @property
     def gov_dir(self) -> Path:
-        return self.cfg.home.resolve() / "governance"
+        return governance_dir(self.cfg.home.resolve())
 
     def step(self, title: str) -> None:
         self.console.rule(f"[bold]{title}")
