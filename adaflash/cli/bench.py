@@ -173,3 +173,45 @@ def adapt(
     result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])
     for f in write_outputs(result, out):
         console.print(str(f))
+
+
+@app.command("bench-http")
+def bench_http(
+    out: Annotated[Path, typer.Option(help="directory for results.json/.md, http.png, server logs")],
+    target: TargetOpt = "smollm2",
+    drafter: Annotated[
+        Path | None, typer.Option(help="our drafter: the adaflash-cost row and vLLM's DFlash (none: AR only)")
+    ] = None,
+    engines: Annotated[
+        str, typer.Option(help="comma-separated: ours, vllm, vllm-dflash, vllm-ngram, vllm-suffix")
+    ] = "ours,vllm,vllm-dflash,vllm-ngram,vllm-suffix",
+    concurrency: Annotated[str, typer.Option(help="comma-separated client counts")] = "1,8,32",
+    domain: Annotated[str, typer.Option(help="one of adaflash bench's domains")] = "blend",
+    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    prompts_per_cell: Annotated[int, typer.Option(help="0: max(2 C, --min-prompts)")] = 0,
+    min_prompts: Annotated[int, typer.Option()] = 8,
+    repeats: Annotated[int, typer.Option(min=1, help="runs per cell, method order alternating")] = 3,
+    nice: Annotated[int, typer.Option(help="every server's niceness (the same for all)")] = 0,
+    profile: Annotated[
+        bool, typer.Option(help="py-spy on our server: one extra untimed AR run at C = 1 and 8 (profile.md)")
+    ] = False,
+    data_dir: PromptsDirOpt = None,
+) -> None:
+    """Every engine through its OpenAI HTTP API (ours and vLLM's), beside our in-process engine, one
+    run, one client. Resumable: a rerun with the same options skips the cells results.json holds."""
+    from adaflash.bench.http_bench import HttpSpec, run_http_bench
+    from adaflash.bench.http_report import write_outputs
+    from adaflash.bench.http_servers import ENGINES
+
+    names = csv(engines)
+    if bad := [e for e in names if e not in ENGINES]:
+        raise InputError(f"unknown engine(s) {', '.join(bad)}: choose from {', '.join(ENGINES)}")
+    spec = HttpSpec(target=target, engines=names, concurrency=[int(c) for c in csv(concurrency)],
+                    domain=domain, prompts_per_cell=prompts_per_cell, min_prompts=min_prompts,
+                    max_new_tokens=max_new_tokens, repeats=repeats, nice=nice, profile=profile,
+                    data_dir=str(data_dir) if data_dir else None)  # fmt: skip
+    tgt, bundle = load(target, drafter)
+    result = run_http_bench(tgt, bundle, drafter, spec, out, log=log)
+    result["command"] = "adaflash bench-http " + " ".join(sys.argv[2:])
+    for f in write_outputs(result, out):
+        console.print(str(f))

@@ -44,6 +44,7 @@ class VllmServer:
     log_path: Path
     env: dict = field(default_factory=dict)
     nice: int = 10  # it takes both cores while it compiles and serves: others come first
+    name: str = "vLLM"  # in errors (the serving bench starts `adaflash serve` the same way)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready_at: float | None = None
@@ -69,7 +70,7 @@ class VllmServer:
         deadline = self.started_at + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise AdaFlashError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise AdaFlashError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -79,7 +80,7 @@ class VllmServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise AdaFlashError(f"vLLM not ready after {timeout:.0f} s:\n{self.log_tail()}")
+        raise AdaFlashError(f"{self.name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         try:
