@@ -233,3 +233,39 @@ def test_one_date_of_birth_rule_for_every_language():
         hits = []
         dates_of_birth(text, hits)
         assert hits == [], text
+
+
+def test_a_lone_given_name_is_kept_only_where_something_makes_it_someones(scrubber):
+    """A word problem's or an instruction's lone first name identifies nobody and is left as the
+    target wrote it (with its numbers); the same name after an introduction, a greeting, a label,
+    a title or a sign-off, or in a record with other personal data, is replaced, and so is a
+    full name anywhere. Function words a tagger takes in ("If Darryl", "When Nathan") are no name."""
+    left = [
+        "Darryl has twice the books Lamont has. If Darryl has 20 books, how many do they have?",
+        "When Nathan is cold, he adds an extra blanket. Each warms him by 3 degrees.",
+        "Thomas is very healthy, but he goes to the hospital every day. Why could that be?",
+        "Ashley had a birthday party and invited 20 friends. How many came?",
+        "It's Yvette's turn to treat her three friends to ice cream sundaes at $7.50 each.",
+        "Uncle Joe drove 120 miles at 40 mph. How long did it take?",
+        "On a highway, the total number of vehicles passing is 300. How many are trucks?",
+        "There are 122 windows total. If 5 rooms have 4 windows, how many rooms are left?",
+    ]
+    for text, r in zip(left, scrubber.scrub(left), strict=True):
+        assert r.text == text and not r.unsure, (text, r.spans)
+    replaced = [
+        ("My name is Natalia, how many clips should I sell?", ["Natalia"]),
+        ("Hi Oluwaseun, the invoice for 48 items is attached.", ["Oluwaseun"]),
+        ("Thanks for the help!\nBest,\nIngrid", ["Ingrid"]),
+        ('{"first_name": "Ngozi", "age": 41}', ["Ngozi"]),
+        ("Thomas is very healthy. Reach him at t.kowal@gmail.com, 12 Elm St.", ["Thomas"]),
+        ("Natalia Kowalczyk sold 48 clips to her friends.", ["Natalia", "Kowalczyk"]),
+    ]
+    results = scrubber.scrub([t for t, _ in replaced])
+    for (text, gone), r in zip(replaced, results, strict=True):
+        assert all(g not in r.text for g in gone), (text, r.text)
+        assert re.findall(r"\d+", r.text.split("@")[0]) == re.findall(r"\d+", text.split("@")[0])
+    # One record: a full name in the prompt makes its lone first name in the answer someone's too.
+    prompt, output = scrubber.scrub(
+        ["Please write to Marta Wiśniewska about the 3 refunds.", "Sure. Dear Marta, ..."], groups=[0, 0]
+    )
+    assert "Marta" not in prompt.text + output.text

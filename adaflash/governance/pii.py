@@ -27,7 +27,7 @@ import re
 from dataclasses import replace as _replace
 
 from adaflash.errors import AdaFlashError
-from adaflash.governance.pii_guard import keep, protected
+from adaflash.governance.pii_guard import keep, lone_names, protected
 from adaflash.governance.pii_record import encoded_hits, propagate, split_turn_hits
 from adaflash.governance.pii_record import replaced_spans as replaced_spans  # the governor imports it here
 from adaflash.governance.pii_spans import ScrubResult, Span, merge_spans, replace_spans
@@ -203,7 +203,17 @@ def _widen_name(text: str, s: Span) -> Span:
             end = start + text[start:end].rstrip().rfind(" ")
         else:
             break
+    # Nor is a function or kinship word a tagger took in ("If Darryl", "It's Yvette", "Uncle Joe").
+    while (m := re.match(r"([^\W\d_][\w'’]*)[ \t]+(?=\w)", text[start:end])) and _not_name(m.group(1)):
+        start += len(m.group(0))
     return Span(start, end, s.entity)
+
+
+def _not_name(word: str) -> bool:
+    from adaflash.governance.pii_names import name_like
+    from adaflash.governance.pii_words import is_function_word
+
+    return is_function_word(word) and not name_like(word)
 
 
 _LEMMA_COMPONENT = "adaflash_lower_lemma"
@@ -419,7 +429,7 @@ class PiiScrubber:
         for idx in members.values():
             spans = [detected[i][0] for i in idx]
             if self.second_pass:
-                spans = propagate([texts[i] for i in idx], spans)
+                spans = propagate([texts[i] for i in idx], lone_names([texts[i] for i in idx], spans))
             sur = None
             if self._fake is not None:
                 from adaflash.governance.surrogates import Surrogates

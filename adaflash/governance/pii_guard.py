@@ -6,7 +6,8 @@ whatever a recogniser thinks: loopback / unspecified / private / link-local addr
 ranges, UUIDs, version strings, hashes and integrity strings (a hex run next to a hash word, a
 git log's short hashes, `sha512-...`, `h1:...`), long decimal fractions, and the numbers of a
 math word problem without a PII cue. Eponyms ("the Kelvin scale", "Avogadro's number") are not
-persons.
+persons. A lone given name ("Natalia sold clips", "Thomas is very healthy") identifies nobody: a
+record keeps it only when something in the record makes it someone's (`lone_names`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from adaflash.governance.pii_scripts import script_of
 from adaflash.governance.pii_spans import Span
 
 # Networks that identify no one: loopback, unspecified, RFC 1918, CGNAT, link-local, ULA.
@@ -165,9 +167,40 @@ def keep(span: Span, text: str, regions: list[tuple[int, int]]) -> bool:
     formatted = re.search(r"\d[\-.()]\d|\(\d|^\+", value)  # 404-512-3130, (212) 524: a phone's shape is a cue
     if span.entity in _NUMERIC_KINDS and not formatted and _mathy(text) and not _cued(span, text):
         return False
-    if span.entity == "PERSON" and len(value.split()) == 1 and _mathy(text) and not _cued(span, text):
-        return False  # a word problem's first name identifies nobody
     return True
+
+
+# What makes a lone name someone's: a cue right before it (an introduction, a greeting, a label,
+# a title, a sign-off line) or right after it ("Anna here").
+_NAME_CUE_BEFORE = re.compile(
+    r"(?i)(?:\bmy\s+name(?:\s+is|'s|’s)|(?:\b|_)name\b\W{0,3}[:=]|\bi\s+am|\bi['’]m|\bcall\s+me|\bthis\s+is|"
+    r"\b(?:dear|hi|hello|hey|thanks|thank\s+you)|\b(?:written|signed|sent|authored|maintained|created)\s+by|"
+    r"\b(?:from|to|cc|author|contact|signed|attn|patient|customer|employee|applicant|recipient|sender)\s*:|"
+    r"\b(?:ask\s+for|speak\s+(?:to|with)|behalf\s+of)|"
+    r"\b(?:mr|mrs|ms|mx|miss|dr|prof|sir|dame|herr|frau|mme|mlle|sr|sra|srta)\.?|"
+    r"\b(?:regards|sincerely|cheers|best(?:\s+wishes)?|yours(?:\s+truly)?|love|thanks)\W{0,2}\n|"
+    r"(?:^|\n)\s*(?:--|—|–))[\s,:\"'(]{0,4}\Z"
+)
+_NAME_CUE_AFTER = re.compile(r"[\s,]{0,2}(?:here|speaking)\b", re.IGNORECASE)
+
+
+def _lone_uncued(span: Span, text: str) -> bool:
+    value = text[span.start : span.end]
+    if span.entity != "PERSON" or len(value.split()) != 1 or script_of(value) is not None:
+        return False
+    before = text[max(0, span.start - 48) : span.start]
+    return not (_NAME_CUE_BEFORE.search(before) or _NAME_CUE_AFTER.match(text, span.end))
+
+
+def lone_names(texts: list[str], spans: list[list[Span]]) -> list[list[Span]]:
+    """One record's spans (per text) without its lone given names when nothing else in the record
+    is personal: a single Latin-script word tagged as a person, with no name cue at it, in a record
+    with no other personal data (no full name, no contact data, no id) names a character in a word
+    problem or an instruction. A name after a cue, or in a record that holds anything else
+    personal, stays (and so does every recurrence of a full name's parts)."""
+    if all(_lone_uncued(s, t) for t, ss in zip(texts, spans, strict=True) for s in ss):
+        return [[] for _ in spans]
+    return spans
 
 
 def overlaps(start: int, end: int, regions: list[tuple[int, int]]) -> bool:

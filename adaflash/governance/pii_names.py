@@ -15,6 +15,7 @@ from adaflash.governance.pii_words import (
     EXAMPLE_NAMES,
     NEVER_NAMES,
     english_words,
+    is_function_word,
     is_word,
 )
 
@@ -81,6 +82,19 @@ _CUE_NAME = re.compile(
     + _NAME_TOKEN
     + r"){0,4})"
 )
+# A self-introduction in a Latin-script language: what follows is the speaker's name, even a lone
+# first name ("My name is Natalia").
+_INTRO = re.compile(
+    r"(?i:\bmy\s+name\s+is|\bmy\s+name['’]s|\bcall\s+me|\bi['’]m\s+called|\bje\s+m['’]appelle|\bme\s+llamo|"
+    r"\bmi\s+nombre\s+es|\bich\s+hei(?:ß|ss)e|\bmein\s+name\s+ist|\bmi\s+chiamo|\bil\s+mio\s+nome\s+è|"
+    r"\bmeu\s+nome\s+é|\bme\s+chamo|\bmijn\s+naam\s+is|\bik\s+heet|\bnazywam\s+si[ęe]|\bjmenuji\s+se)"
+    r"[ \t]*[:,]?[ \t]*(" + _NAME_TOKEN + r"(?:[ \t]" + _NAME_TOKEN + r"){0,2})"
+)
+# A signature: a sign-off at a line's end, the name alone on the next line ("Best,\nIngrid").
+_SIGNATURE = re.compile(
+    r"(?i:\b(?:regards|sincerely|cheers|best(?:\s+wishes)?|yours(?:\s+truly)?|thanks|thank\s+you|love))\W{0,2}\n"
+    r"[ \t]*(" + _NAME_TOKEN + r"(?:[ \t]" + _NAME_TOKEN + r"){0,2})[ \t]*(?:\n|$)"
+)
 _STRONG_CUE = re.compile(
     r"(?i:author|written|maintained|created|authored|signed-off-by|co-authored-by|reviewed-by|acked-by|"
     r"tested-by|reported-by|suggested-by|copyright|todo|fixme|name|surname|given|family|customer|patient|"
@@ -107,6 +121,8 @@ def name_score(tokens: list[str]) -> float:
         if t in NEVER_NAMES or t.isupper() and len(t) > 1:
             return 0.0
         known = t in first or t in last
+        if not known and is_function_word(t):  # "If Darryl", "When Nathan"
+            return 0.0
         word = is_word(t, words)
         score = (0.6 if word else 1.0) if known else (0.0 if word else 0.5)
         if not t.isascii() and not word:
@@ -122,16 +138,22 @@ def name_like(tok: str) -> bool:
     if not tok or not tok[0].isupper() or tok in NEVER_NAMES or (tok.isupper() and len(tok) > 1):
         return False
     first, last = name_lexicon()
-    return tok in first or tok in last or not is_word(tok, english_words())
+    if tok in first or tok in last:
+        return True
+    return not is_function_word(tok) and not is_word(tok, english_words())
 
 
 def find_names(text: str, hits: list[Hit]) -> None:
     for m in _NAME_RUN.finditer(text):
         toks = m.group(0).split()
+        start = m.start()
+        while len(toks) > 2 and not name_like(toks[0]) and is_function_word(toks[0]):
+            start = text.index(toks[1], start + len(toks[0]))  # "When Marta Kowalczyk called"
+            toks = toks[1:]
         if m.group(0) in EXAMPLE_FULL:
             continue
         if name_score(toks) >= 1.2:
-            hits.append(Hit(m.start(), m.end(), "PERSON", cue=False))
+            hits.append(Hit(start, m.end(), "PERSON", cue=False))
     for m in _CUE_NAME.finditer(text):
         cue = text[m.start() : m.start(1)].strip()
         toks = m.group(1).split()
@@ -147,6 +169,12 @@ def find_names(text: str, hits: list[Hit]) -> None:
         strong = bool(_STRONG_CUE.search(cue))
         if strong and (len(toks) > 1 or name_like(toks[0])) or name_score(toks) >= 1.0:
             hits.append(Hit(s, s + len(" ".join(toks)) if e - s >= len(" ".join(toks)) else e, "PERSON"))
+    for m in (*_INTRO.finditer(text), *_SIGNATURE.finditer(text)):
+        toks = m.group(1).split()
+        while toks and not name_like(toks[-1]):  # "My name is Anna Please": the name is Anna
+            toks = toks[:-1]
+        if toks and toks[0] not in EXAMPLE_NAMES:
+            hits.append(Hit(m.start(1), m.start(1) + len(" ".join(toks)), "PERSON"))
     for m in _NAME_KEYS.finditer(text):
         v = m.group(1).strip()
         toks = v.split()

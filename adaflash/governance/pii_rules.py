@@ -282,7 +282,8 @@ _ADDRESS_PATTERNS = [
     # Romance and Slavic: "12 rue de la Paix", "Calle Mayor 5", "Via Roma 10", "ul. Marszałkowska 84"
     r"(?<!\d)\d{1,6}[a-zA-Z]?,?\s+(?:rue|avenue|av\.|boulevard|bd|place|chemin|allée|impasse|quai|cours)\s+"
     r"(?:(?:de|du|des|la|le|l'|d')\s*){0,3}" + _CAPW + r"(?:\s+" + _CAPW + r"){0,5}",
-    r"(?:Calle|C/|Avenida|Avda\.?|Paseo|Plaza|Via|Viale|Piazza|Corso|Largo|Rua|Travessa|Praça|ul\.|ulica|al\.|aleja|Carrer|Rúa)\s+"
+    r"(?<![^\W\d_])(?:Calle|C/|Avenida|Avda\.?|Paseo|Plaza|Via|Viale|Piazza|Corso|Largo|Rua|Travessa|Praça|"
+    r"ul\.|ulica|al\.|aleja|Carrer|Rúa)\s+"  # a word of its own: "total. If 5 rooms" holds no "al."
     + r"(?:(?:de|del|da|do|dos|la|di|della)\s+){0,3}"
     + _CAPW
     + r"(?:\s+"
@@ -377,7 +378,8 @@ _KEY_SHAPES = re.compile(
 _PEM = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----(.*?)(?:-----END [A-Z ]*PRIVATE KEY-----|$)", re.DOTALL)
 _SECRET_ASSIGN = re.compile(
     r"(?i:\b(?:password|passwd|passphrase|pwd|pass|secret|api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|"
-    r"private[_\-]?key|client[_\-]?secret|auth[_\-]?token|token|pin)\w*)"
+    r"private[_\-]?key|client[_\-]?secret|auth[_\-]?token|token|pin|passcode|passkey|passwort)"
+    r"(?:s|\d+|[_\-]\w*|(?-i:[A-Z])\w*)?\b)"  # password2, secret_key, passwordHash; never "passing", "pine"
     r"(?:\s*[\"']?\s*(?:[:=]|=>)\s*|\s+(?:is|was|=)\s+)[\"']?([^\s\"',;)}\]]{4,})"
 )
 _CLI_PASSWORD = re.compile(

@@ -47,6 +47,31 @@ EXAMPLE_NAMES = {
 EXAMPLE_FULL = {"John Doe", "Jane Doe", "Joe Bloggs", "Max Mustermann", "Erika Mustermann", "John Q. Public"}
 
 
+# Words that come before a name without being part of it: kinship and role words ("Uncle Joe",
+# "Coach Carter"). Titles (Mr, Dr, Frau...) are the name rules' cues.
+_BEFORE_NAMES = {
+    "uncle", "aunt", "auntie", "grandma", "grandpa", "granny", "grandmother", "grandfather", "mom",
+    "mum", "dad", "mommy", "daddy", "cousin", "brother", "sister", "coach", "captain", "officer",
+    "chef", "farmer", "teacher", "nurse", "baby", "little", "big", "old", "young", "dear",
+}  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def function_words() -> frozenset[str]:
+    """English closed-class words (spaCy's stop words: "if", "when", "it", "because"...) and the
+    words above, lower-case. WordNet (`english_words`) has no closed-class words, so without this
+    list "If" or "When" at a sentence's start looks like an unknown, name-like word."""
+    from spacy.lang.en.stop_words import STOP_WORDS
+
+    return frozenset(STOP_WORDS) | _BEFORE_NAMES
+
+
+def is_function_word(tok: str) -> bool:
+    """ "It's", "When", "Uncle": never part of a name ("Yvette's" is a name with its possessive)."""
+    w = tok.lower().replace("’", "'")
+    return w in function_words() or (w.endswith("'s") and w[:-2] in function_words())
+
+
 @lru_cache(maxsize=1)
 def english_words() -> frozenset[str]:
     """WordNet lemmas shipped with the spaCy model's rule lemmatizer (no download)."""
