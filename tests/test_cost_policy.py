@@ -75,8 +75,8 @@ def test_a_drafter_that_costs_more_than_it_brings_only_runs_to_explore(tiny64):
     useless = make_bundle(tiny64, block_size=8, seed=9)  # random: almost nothing accepted
     engine = Engine(tiny64, useless, EngineConfig(method="adaflash-cost", max_running=4), "v1")
     # This machine's shape of costs, exaggerated: a drafter forward costs 3 target steps.
-    engine.proposer.costs = _costs({1: 0.05, 64: 0.06, 1024: 0.5}, {1: 0.15, 64: 0.3}, {1: 0.01, 512: 0.05})
-    engine.proposer.costs.target.rate = engine.proposer.costs.drafter_block.rate = 0.0  # keep them
+    engine.policy.costs = _costs({1: 0.05, 64: 0.06, 1024: 0.5}, {1: 0.15, 64: 0.3}, {1: 0.01, 512: 0.05})
+    engine.policy.costs.target.rate = engine.policy.costs.drafter_block.rate = 0.0  # keep them
     reqs = [engine.submit(Request(p, GenParams(max_tokens=60, temperature=0.0))) for p in PROMPTS[:4]]
     steps = drafter_steps = 0
     while (stats := engine.step()) is not None:

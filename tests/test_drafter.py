@@ -124,11 +124,11 @@ def test_draft_vocabulary_round_trips_and_limits_proposals_losslessly(tmp_path, 
         engine = Engine(tiny64, loaded, EngineConfig(method="dflash", max_running=4), "v1")
         plans = []
 
-        def spy(*args, plan=engine.proposer.plan, plans=plans, **kwargs):
+        def spy(*args, plan=engine.policy.plan, plans=plans, **kwargs):
             plans.append(plan(*args, **kwargs))
             return plans[-1]
 
-        engine.proposer.plan = spy
+        engine.policy.plan = spy
         params = GenParams(max_tokens=24, temperature=temperature, seed=1)
         reqs = [engine.submit(Request(p, params)) for p in prompts]
         engine.run_until_idle()

@@ -243,10 +243,10 @@ def test_sure_lockstep_drafts_stay_token_identical_to_ar(tiny64, monkeypatch):
     monkeypatch.setattr(lockstep, "critical", lambda reqs, chosen: [lockstep.NONE] * len(reqs))
     cfg = EngineConfig(method="adaflash-cost", max_running=8, calibrate=False)
     engine = Engine(tiny64, make_bundle(tiny64), cfg)
-    engine.proposer.config.lockstep_min_prob = 0.9
+    engine.policy.config.lockstep_min_prob = 0.9
     # Fixed costs (verify rows nearly free, a drafter forward dear), so the plan's value does not
     # depend on this machine's load.
-    costs = engine.proposer.costs = _costs(
+    costs = engine.policy.costs = _costs(
         {1: 0.05, 64: 0.06, 1024: 0.5}, {1: 0.15, 64: 0.3}, {1: 0.01, 512: 0.05}
     )
     costs.target.rate = costs.drafter_block.rate = costs.drafter_lm.rate = 0.0

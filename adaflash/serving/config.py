@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from adaflash.serving.suffix_cache import SuffixCacheConfig
 
+LOCKSTEP_MIN_PROB = 0.0
+
 
 @dataclass
 class EngineConfig:
@@ -24,6 +26,10 @@ class EngineConfig:
     # probe_every − 1 rounds of that request skip the drafter and run as plain AR rounds.
     # 1 = draft every round (the method as published).
     probe_every: int = 1
+    # `adaflash-cost` with no request waiting: when the priced lockstep plan drafts nothing, the
+    # batch's longest requests still verify their model-free drafts estimated at >= this
+    # probability (`lockstep.confident`). 0: off.
+    lockstep_min_prob: float = LOCKSTEP_MIN_PROB
     # Time a few forwards at start-up to seed `adaflash-cost`'s cost curves when a drafter with a
     # length head is installed (they also learn from every step); off: the curves start from the
     # first steps' measurements.

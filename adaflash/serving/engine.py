@@ -81,14 +81,14 @@ class Engine(StepLoop):
         )
         self.eos = set(target.tokenizer.eos_token_ids)
         self.suffix_cache = SuffixCache(c.suffix)
-        self.proposer = CostPolicy(self.model, ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every),
-                                 c.max_running, self.capacity, self.suffix_cache)  # fmt: skip
-        self.proposer.install(drafter, drafter_version)
+        proposer = ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every, c.lockstep_min_prob)
+        self.policy = CostPolicy(self.model, proposer, c.max_running, self.capacity, self.suffix_cache)
+        self.policy.install(drafter, drafter_version)
         self._pack()
         # Only `adaflash-cost` reads the cost curves, and it needs a length head; a drafter that
         # arrives later by hot reload starts its curves from the first steps' measurements.
         if c.calibrate and drafter is not None and drafter.length_head is not None:
-            calibrate(self.proposer, self.runner, c.step_token_budget)
+            calibrate(self.policy, self.runner, c.step_token_budget)
         self._staged: tuple[DrafterBundle, str] | None = None
         self._staged_lock = threading.Lock()
         self.step_observers: list[Callable[[StepStats, Engine], None]] = []
@@ -104,7 +104,7 @@ class Engine(StepLoop):
         nor a bench's first timed cell pays for them (on SmolLM2 such a cell runs at 40 tok/s
         where the next one runs at 99)."""
         rows = min(LARGE_ROWS + 1, self.capacity)  # a prefill's size: past LARGE_ROWS its GEMM is probed
-        bundle = self.proposer.bundle
+        bundle = self.policy.bundle
         capture = tuple(bundle.config.target_layer_ids) if bundle is not None else ()
         hidden, features = self.runner.forward(PackedBatch.build([Segment(0, 0, [0] * rows)]), capture)
         self.model.logits(hidden[-1:])
@@ -120,15 +120,15 @@ class Engine(StepLoop):
 
     @property
     def bundle(self) -> DrafterBundle | None:
-        return self.proposer.bundle
+        return self.policy.bundle
 
     @property
     def drafter_version(self) -> str | None:
-        return self.proposer.version
+        return self.policy.version
 
     @property
     def block_size(self) -> int:
-        return self.proposer.block_size
+        return self.policy.block_size
 
     @property
     def idle(self) -> bool:
@@ -186,9 +186,9 @@ class Engine(StepLoop):
         stats = StepStats(admitted=len(admitted), running=len(admitted) + len(decoding))
         for r in admitted:
             r.status = Status.RUNNING
-            self.proposer.stamp(r)
+            self.policy.stamp(r)
         stats.prefill_tokens = sum(len(r.prompt_ids) for r in admitted)
-        plan = self.proposer.plan(decoding, stats.prefill_tokens, waiting=bool(self.scheduler.pending))
+        plan = self.policy.plan(decoding, stats.prefill_tokens, waiting=bool(self.scheduler.pending))
         segments = [Segment(r.slot, 0, r.prompt_ids) for r in admitted]
         segments += [Segment(r.slot, r.kv_len, t) for r, t in zip(decoding, plan.verify_tokens, strict=True)]
         batch = PackedBatch.build(segments)
@@ -218,7 +218,7 @@ class Engine(StepLoop):
             stats.emitted += 1
         if decoding:
             accepted, nxt = verifier.verify(decoding, plan, t_logits)
-            self.proposer.observe(decoding, plan, accepted, nxt)
+            self.policy.observe(decoding, plan, accepted, nxt)
             stats.accepted = accepted
             doff = kernels.draft_offsets(plan.cu)
             for i, r in enumerate(decoding):
@@ -236,7 +236,7 @@ class Engine(StepLoop):
                 stats.emitted += len(new)
         if committed_rows:
             rows = torch.cat(committed_rows)
-            self.proposer.extend(features[rows], batch.slot_rows[rows], batch.positions[rows])
+            self.policy.extend(features[rows], batch.slot_rows[rows], batch.positions[rows])
 
         for r in admitted + decoding:
             if r.finished:
@@ -245,7 +245,7 @@ class Engine(StepLoop):
         self.scheduler.observe(len(admitted) + len(decoding), mean_k)
         stats.seconds = time.perf_counter() - t0
         cpu = policy_clock() - cpu0
-        self.proposer.observe_step(batch.num_rows, t_fwd, cpu, plan, stats.emitted, bool(admitted),
+        self.policy.observe_step(batch.num_rows, t_fwd, cpu, plan, stats.emitted, bool(admitted),
                                    len(segments))  # fmt: skip
         self.last_step = stats
         for obs in self.step_observers:
@@ -266,10 +266,10 @@ class Engine(StepLoop):
             staged, self._staged = self._staged, None
         if staged is None:
             return
-        self.proposer.install(*staged)
+        self.policy.install(*staged)
         self.reloads += 1
         live = [r for r in self.scheduler.running.values()
                 if r.status is Status.RUNNING and r.kv_len > 0 and r.method in DRAFTER_METHODS]  # fmt: skip
-        self.proposer.rebuild(live, self.runner)
+        self.policy.rebuild(live, self.runner)
         for r in live:
-            self.proposer.stamp(r)
+            self.policy.stamp(r)
