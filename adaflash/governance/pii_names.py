@@ -173,7 +173,7 @@ def find_names(text: str, hits: list[Hit]) -> None:
         toks = m.group(1).split()
         while toks and not name_like(toks[-1]):  # "My name is Anna Please": the name is Anna
             toks = toks[:-1]
-        if toks and toks[0] not in EXAMPLE_NAMES:
+        if toks and toks[0] not in EXAMPLE_NAMES and " ".join(toks) not in EXAMPLE_FULL:
             hits.append(Hit(m.start(1), m.start(1) + len(" ".join(toks)), "PERSON"))
     for m in _NAME_KEYS.finditer(text):
         v = m.group(1).strip()
