@@ -257,6 +257,7 @@ def test_a_lone_given_name_is_kept_only_where_something_makes_it_someones(scrubb
         ("Hi Oluwaseun, the invoice for 48 items is attached.", ["Oluwaseun"]),
         ("Thanks for the help!\nBest,\nIngrid", ["Ingrid"]),
         ('{"first_name": "Ngozi", "age": 41}', ["Ngozi"]),
+        ("Can you draft a note to my colleague Oluwaseun about the 3 delays?", ["Oluwaseun"]),
         ("Thomas is very healthy. Reach him at t.kowal@gmail.com, 12 Elm St.", ["Thomas"]),
         ("Natalia Kowalczyk sold 48 clips to her friends.", ["Natalia", "Kowalczyk"]),
     ]

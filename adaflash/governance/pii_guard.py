@@ -171,12 +171,17 @@ def keep(span: Span, text: str, regions: list[tuple[int, int]]) -> bool:
 
 
 # What makes a lone name someone's: a cue right before it (an introduction, a greeting, a label,
-# a title, a sign-off line) or right after it ("Anna here").
+# a title, someone in the writer's life such as "my colleague", a sign-off line) or right after
+# it ("Anna here").
 _NAME_CUE_BEFORE = re.compile(
     r"(?i)(?:\bmy\s+name(?:\s+is|'s|’s)|(?:\b|_)name\b\W{0,3}[:=]|\bi\s+am|\bi['’]m|\bcall\s+me|\bthis\s+is|"
     r"\b(?:dear|hi|hello|hey|thanks|thank\s+you)|\b(?:written|signed|sent|authored|maintained|created)\s+by|"
     r"\b(?:from|to|cc|author|contact|signed|attn|patient|customer|employee|applicant|recipient|sender)\s*:|"
     r"\b(?:ask\s+for|speak\s+(?:to|with)|behalf\s+of)|"
+    r"\b(?:my|our)\s+(?:[a-z\-]+\s+)?(?:friend|colleague|co-?worker|boss|manager|supervisor|assistant|"
+    r"wife|husband|partner|son|daughter|mother|mom|mum|father|dad|sister|brother|cousin|aunt|uncle|"
+    r"nephew|niece|grand(?:son|daughter|mother|father)|boyfriend|girlfriend|fianc[ée]e?|roommate|"
+    r"neighbou?r|landlord|tenant|doctor|dentist|therapist|lawyer|teacher|client|patient|employee)s?,?|"
     r"\b(?:mr|mrs|ms|mx|miss|dr|prof|sir|dame|herr|frau|mme|mlle|sr|sra|srta)\.?|"
     r"\b(?:regards|sincerely|cheers|best(?:\s+wishes)?|yours(?:\s+truly)?|love|thanks)\W{0,2}\n|"
     r"(?:^|\n)\s*(?:--|—|–))[\s,:\"'(]{0,4}\Z"
