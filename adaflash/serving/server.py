@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server around the engine (FastAPI + uvicorn).
 
 The engine's step loop runs on its own thread; async handlers submit a `Request` whose sink
-pushes (new tokens, finished) into that handler's asyncio queue via `call_soon_threadsafe`, so
+pushes (new tokens, finished) into that handler's asyncio queue through the loop's `Handoff`, so
 no handler ever blocks the event loop and the step loop never waits for a client.
 `create_app` is the list of routes; the work is in `translate.py` (an OpenAI body → the engine's
 requests), `stream.py` (the step-loop → handler bridge, server-sent events), `replies.py` (the

@@ -1,7 +1,8 @@
 """The stream bridge: tokens from the engine's step-loop thread to an async handler.
 
 The step loop never waits for a client: each choice's `Request.sink` puts (choice index, new
-tokens, finished, their logprobs) on the handler's asyncio queue with `call_soon_threadsafe`.
+tokens, finished, their logprobs) on the handler's asyncio queue through the loop's `Handoff`
+(one `call_soon_threadsafe` per batch of items, not per item).
 The handler either turns the queue into server-sent events (`sse_events`, text decoded
 incrementally by `TextDelta`) or waits for every choice to finish while polling the client's
 connection (`finished_unless_gone`). A client that goes away frees its KV slots at once.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HttpRequest
@@ -23,6 +26,47 @@ from adaflash.serving.replies import Replies
 DISCONNECT_POLL_S = 0.1
 
 
+class Handoff:
+    """Items from the step-loop thread to one event loop's queues, with one wake-up of that loop
+    per batch: a step emits to every running request in a row, and each `call_soon_threadsafe`
+    writes to the loop's self-pipe (a system call on the step loop's time, and one more callback
+    on the loop's). The first item of a batch schedules the drain; the rest join it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue, item: tuple) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:
+                return  # a drain is already scheduled and will take this item too
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody will read these
+            with self._lock:
+                self._items.clear()
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_handoffs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def handoff(loop: asyncio.AbstractEventLoop) -> Handoff:
+    """The one `Handoff` of `loop` (made on the loop's thread, when a handler first needs it)."""
+    h = _handoffs.get(loop)
+    if h is None:
+        h = _handoffs[loop] = Handoff(loop)
+    return h
+
+
 class Bridge:
     """Bridge from the step-loop thread to the handler's event loop, for the n choices of one
     HTTP request: items are (choice index, new tokens, finished, their logprobs)."""
@@ -30,12 +74,13 @@ class Bridge:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.handoff = handoff(loop)
 
     def sink_for(self, index: int):
         def sink(req: Request, new: list[int], finished: bool) -> None:
             # Taken now, on the step-loop thread: the entries of exactly these tokens.
             lps = req.logprobs[len(req.logprobs) - len(new) :] if new and req.logprobs else []
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, list(new), finished, lps))
+            self.handoff.put(self.queue, (index, list(new), finished, lps))
 
         return sink
 
