@@ -24,6 +24,7 @@ import asyncio
 import gc
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from adaflash.bench.http_report import INPROC, markdown
 from adaflash.bench.serving import BenchSpec, bench_engine, machine, run_cell, workload
 from adaflash.errors import AdaFlashError
 from adaflash.feedback.broker import free_port
+
+PROFILE_RATE = 100  # py-spy samples per second
 
 
 @dataclass
@@ -152,8 +155,12 @@ def http_cell(url: str, prompts: list[list[int]], method: str | None, concurrenc
 
 
 def inproc_cell(engine, prompts: list[list[int]], method: str, concurrency: int, max_new: int):
-    """The same cell in-process (no HTTP), in the same shape as `http_cell`'s."""
-    c, outs = run_cell(engine, prompts, method, concurrency, max_new)
+    """The same cell in-process (no HTTP), in the same shape as `http_cell`'s. It runs on a worker
+    thread, as `adaflash serve`'s step loop does: on the main thread torch's OpenMP team spin-waits,
+    and on a busy machine that made the same cell 10-100x slower (tiny target, load 10 on 2 cores:
+    2-19 s against 0.16-0.26 s on a thread; `OMP_WAIT_POLICY=PASSIVE` closed the gap too)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="inproc-cell") as pool:
+        c, outs = pool.submit(run_cell, engine, prompts, method, concurrency, max_new).result()
     keep = ("requests", "output_tokens", "wall_s", "tps", "tau", "cpu_share")
     cell = {k: c[k] for k in keep}
     cell.update({k: {q: c[k][q] for q in ("p50", "p95")} for k in ("ttft_s", "tpot_s", "e2e_s")})
@@ -304,9 +311,9 @@ def profile_ours(srv: hs.Server, spec: HttpSpec, ids: dict, out: Path, log) -> N
     profiles = {}
     for c in [c for c in (1, 8) if c in ids]:
         raw = out / f"profile-ar-c{c}.txt"
-        with hs.PySpy(srv.pid, raw):
-            http_cell(srv.url, ids[c], "ar", c, spec.max_new_tokens)
-        profiles[f"served AR, C = {c}"] = hs.summarise_profile(raw)
+        with hs.PySpy(srv.pid, raw, rate=PROFILE_RATE):
+            cell, _ = http_cell(srv.url, ids[c], "ar", c, spec.max_new_tokens)
+        profiles[f"served AR, C = {c}"] = hs.summarise_profile(raw, wall_s=cell["wall_s"], rate=PROFILE_RATE)
     log(f"profile: {hs.write_profile(out, profiles)}")
 
 

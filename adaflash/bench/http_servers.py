@@ -148,9 +148,12 @@ class PySpy:
             self.proc.kill()
 
 
-def summarise_profile(raw: Path, top: int = 15) -> dict:
+def summarise_profile(raw: Path, top: int = 15, wall_s: float | None = None, rate: int = 100) -> dict:
     """From py-spy's raw output: each thread's share of the samples, and per thread the functions
-    with the most samples on top of the stack (self) and anywhere in it (inclusive)."""
+    with the most samples on top of the stack (self) and anywhere in it (inclusive). With the
+    cell's `wall_s`, also each thread's samples against rate x wall: the share of the cell it was
+    on a CPU (idle samples are not recorded, so a step loop below 1 waited: for the GIL, a core,
+    or work)."""
     threads: Counter = Counter()
     self_: dict[str, Counter] = {}
     incl: dict[str, Counter] = {}
@@ -175,6 +178,7 @@ def summarise_profile(raw: Path, top: int = 15) -> dict:
             {
                 "thread": t,
                 "share": c / max(total, 1),
+                "busy_of_wall": c / (rate * wall_s) if wall_s else None,
                 "self": [(f, k / c) for f, k in self_.get(t, Counter()).most_common(top)],
                 "inclusive": [(f, k / c) for f, k in incl.get(t, Counter()).most_common(top)],
             }
@@ -194,8 +198,9 @@ def profile_markdown(profiles: dict) -> str:
     for label, p in profiles.items():
         lines += [f"## {label}: {p['samples']} samples", ""]
         for t in p["threads"][:4]:
+            busy = f", on a CPU {t['busy_of_wall']:.0%} of the cell" if t.get("busy_of_wall") else ""
             lines += [
-                f"### {t['thread']}: {t['share']:.0%} of the samples",
+                f"### {t['thread']}: {t['share']:.0%} of the samples{busy}",
                 "",
                 "| self | share |",
                 "|---|---|",
