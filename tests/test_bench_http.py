@@ -56,8 +56,10 @@ def test_bench_http_table_resume_and_targets(tiny, tmp_path, monkeypatch):
     result = run_http_bench(tiny, None, None, spec, tmp_path, log=logs.append)
     assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()  # written as it went
     got = {(r["engine"], r["method"], r["concurrency"]): r for r in rows(result)}
-    # vLLM has no tiny target: only our two rows, at each C, from 2 runs each.
-    assert set(got) == {(e, "ar", c) for e in ("in-process", "ours") for c in (1, 2)}
+    # vLLM has no tiny target: only our rows (in-process AR on a worker thread and on the main
+    # thread, served AR), at each C, from 2 runs each.
+    rows_ = {("in-process", "ar"), ("in-process", "ar-main"), ("ours", "ar")}
+    assert set(got) == {(e, m, c) for e, m in rows_ for c in (1, 2)}
     for (engine, _, c), r in got.items():
         assert len(r["tps_runs"]) == 2 and r["tps_best"] == max(r["tps_runs"])
         n = spec.n_prompts(c)  # max(2 C, 3): every client sends at least two prompts
@@ -69,7 +71,10 @@ def test_bench_http_table_resume_and_targets(tiny, tmp_path, monkeypatch):
     mean = lambda e: sum(got[(e, "ar", 2)]["tps_runs"]) / 2  # noqa: E731
     assert r["vs_inproc_ar_mean"] == pytest.approx(mean("ours") / mean("in-process"))
     # The targets are at C = 1 and 8 (and vLLM plain at 8): only C = 1 ran here.
-    assert [line.split(":")[0] for line in targets(result)] == ["served AR / in-process AR at C = 1"]
+    assert [line.split(":")[0] for line in targets(result)] == [
+        "served AR / in-process AR at C = 1",
+        "(served AR / in-process AR on the main thread, as `adaflash bench` runs it, at C = 1",
+    ]
     files = write_outputs(result, tmp_path)
     assert all(f.stat().st_size > 0 for f in files)
     assert "| 2 | ours | ar |" in markdown(result) and "| 1 | in-process | ar |" in markdown(result)
@@ -116,7 +121,9 @@ def test_bench_http_vllm_dflash_row(tmp_path):
     spec = HttpSpec(engines=["vllm-dflash"], concurrency=[2], max_new_tokens=24, min_prompts=4, repeats=1)
     result = run_http_bench(tgt, bundle, drafter, spec, tmp_path, log=print)
     got = {(r["engine"], r["method"]): r for r in rows(result)}
-    assert set(got) == {("in-process", "ar"), ("in-process", "adaflash-cost"), ("vllm-dflash", "ar")}
+    assert set(got) == {("in-process", m) for m in ("ar", "ar-main", "adaflash-cost")} | {
+        ("vllm-dflash", "ar")
+    }
     row = got[("vllm-dflash", "ar")]
     assert row["best"]["requests"] == 4 and row["tps_best"] > 0 and row["best"]["ttft_s"]["p50"] > 0
     print(markdown(result))

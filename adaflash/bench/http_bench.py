@@ -37,6 +37,7 @@ from adaflash.errors import AdaFlashError
 from adaflash.feedback.broker import free_port
 
 PROFILE_RATE = 100  # py-spy samples per second
+MAIN_THREAD_AR = "ar-main"  # the in-process AR row on the main thread (as `adaflash bench` runs it)
 
 
 @dataclass
@@ -156,11 +157,15 @@ def http_cell(url: str, prompts: list[list[int]], method: str | None, concurrenc
 
 def inproc_cell(engine, prompts: list[list[int]], method: str, concurrency: int, max_new: int):
     """The same cell in-process (no HTTP), in the same shape as `http_cell`'s. It runs on a worker
-    thread, as `adaflash serve`'s step loop does: on the main thread torch's OpenMP team spin-waits,
-    and on a busy machine that made the same cell 10-100x slower (tiny target, load 10 on 2 cores:
-    2-19 s against 0.16-0.26 s on a thread; `OMP_WAIT_POLICY=PASSIVE` closed the gap too)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="inproc-cell") as pool:
-        c, outs = pool.submit(run_cell, engine, prompts, method, concurrency, max_new).result()
+    thread, as `adaflash serve`'s step loop does; `ar-main` is AR on the main thread, as `adaflash
+    bench` runs it. The thread matters: on the main thread torch's OpenMP team spin-waits, and on
+    a busy machine that made the same cell 10-100x slower (tiny target, load 10 on 2 cores: 2-19 s
+    against 0.16-0.26 s on a thread; `OMP_WAIT_POLICY=PASSIVE` closed the gap too)."""
+    if method == MAIN_THREAD_AR:
+        c, outs = run_cell(engine, prompts, "ar", concurrency, max_new)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="inproc-cell") as pool:
+            c, outs = pool.submit(run_cell, engine, prompts, method, concurrency, max_new).result()
     keep = ("requests", "output_tokens", "wall_s", "tps", "tau", "cpu_share")
     cell = {k: c[k] for k in keep}
     cell.update({k: {q: c[k][q] for q in ("p50", "p95")} for k in ("ttft_s", "tpot_s", "e2e_s")})
@@ -226,7 +231,7 @@ def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Pa
             "prompts": [pid for pid, _ in prompts]}  # fmt: skip
     res = Results(out, head)
     ours_methods = ["ar", "adaflash-cost"] if bundle is not None else ["ar"]
-    inproc_blocks(target, bundle, spec, ids, longest, ours_methods, res, log)
+    inproc_blocks(target, bundle, spec, ids, longest, [*ours_methods, MAIN_THREAD_AR], res, log)
     gc.collect()  # the in-process engine's KV cache and packed weights, before the servers start
     for name in spec.engines:
         plan = server_plan(name, target, bundle, drafter, spec, longest, out, ours_methods)
@@ -242,7 +247,8 @@ def inproc_blocks(target, bundle, spec: HttpSpec, ids: dict, longest: int, metho
     todo = [c for c in spec.concurrency if not res.done(INPROC, methods, c)]
     if not todo:
         return
-    sized = BenchSpec(methods=methods, concurrency=spec.concurrency, max_new_tokens=spec.max_new_tokens)
+    served = [m for m in methods if m != MAIN_THREAD_AR]  # the engine's default method: serve's
+    sized = BenchSpec(methods=served, concurrency=spec.concurrency, max_new_tokens=spec.max_new_tokens)
     engine = bench_engine(target, bundle, sized, longest)
     for c in todo:
         runs = block(spec, methods, lambda m, c=c: inproc_cell(engine, ids[c], m, c, spec.max_new_tokens))
