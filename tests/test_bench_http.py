@@ -51,7 +51,7 @@ def test_closed_loop_keeps_c_requests_in_flight_and_answers_equal_ar(served, tin
 @needs_prompts
 def test_bench_http_table_resume_and_targets(tiny, tmp_path, monkeypatch):
     spec = HttpSpec(target="tiny", engines=["ours", "vllm"], concurrency=[1, 2], max_new_tokens=6,
-                    min_prompts=3, repeats=2)  # fmt: skip
+                    min_prompts=3, repeats=2, work=str(tmp_path / "work"))  # fmt: skip
     logs: list[str] = []
     result = run_http_bench(tiny, None, None, spec, tmp_path, log=logs.append)
     assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()  # written as it went
@@ -77,7 +77,9 @@ def test_bench_http_table_resume_and_targets(tiny, tmp_path, monkeypatch):
     ]
     files = write_outputs(result, tmp_path)
     assert all(f.stat().st_size > 0 for f in files)
-    assert "| 2 | ours | ar |" in markdown(result) and "| 1 | in-process | ar |" in markdown(result)
+    md = markdown(result)
+    assert "| 2 | ours | ar |" in md and "| 1 | in-process | ar |" in md
+    assert "Not run: vllm (vLLM serves the SmolLM2 target only)." in md
 
     # A rerun with the same spec resumes: every block is there, so no server starts.
     monkeypatch.setattr(hs.Server, "start", lambda self: pytest.fail("a finished block was run again"))
@@ -118,7 +120,14 @@ def test_bench_http_vllm_dflash_row(tmp_path):
 
     drafter = REPO / "drafters" / "smollm2"
     tgt, bundle = load("smollm2", drafter)
-    spec = HttpSpec(engines=["vllm-dflash"], concurrency=[2], max_new_tokens=24, min_prompts=4, repeats=1)
+    spec = HttpSpec(
+        engines=["vllm-dflash"],
+        concurrency=[2],
+        max_new_tokens=24,
+        min_prompts=4,
+        repeats=1,
+        work=str(tmp_path / "work"),
+    )
     result = run_http_bench(tgt, bundle, drafter, spec, tmp_path, log=print)
     got = {(r["engine"], r["method"]): r for r in rows(result)}
     assert set(got) == {("in-process", m) for m in ("ar", "ar-main", "adaflash-cost")} | {

@@ -54,6 +54,7 @@ class HttpSpec:
     profile: bool = False  # py-spy on our server: one extra, untimed AR run at C = 1 and C = 8
     data_dir: str | None = None
     max_prompt_tokens: int = 1024
+    work: str = ".adaflash/bench-http"  # server logs and the drafter exported for vLLM (not results)
 
     def n_prompts(self, c: int) -> int:
         return self.prompts_per_cell or max(2 * c, self.min_prompts)
@@ -234,8 +235,13 @@ def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Pa
     inproc_blocks(target, bundle, spec, ids, longest, [*ours_methods, MAIN_THREAD_AR], res, log)
     gc.collect()  # the in-process engine's KV cache and packed weights, before the servers start
     for name in spec.engines:
-        plan = server_plan(name, target, bundle, drafter, spec, longest, out, ours_methods)
-        if plan is None or all(res.done(name, plan.methods, c) for c in spec.concurrency):
+        plan = server_plan(name, target, bundle, drafter, spec, longest, ours_methods)
+        if plan is None:
+            why = "vLLM serves the SmolLM2 target only" if target.name != "smollm2" else "needs --drafter"
+            log(f"{name}: skipped ({why})")
+            res.data.setdefault("skipped", {})[name] = why
+            continue
+        if all(res.done(name, plan.methods, c) for c in spec.concurrency):
             continue
         serve_block(plan, spec, ids, res, out, log)
     return res.data
@@ -258,9 +264,10 @@ def inproc_blocks(target, bundle, spec: HttpSpec, ids: dict, longest: int, metho
         res.save()
 
 
-def server_plan(name: str, target, bundle, drafter: Path | None, spec: HttpSpec, longest: int, out: Path,
+def server_plan(name: str, target, bundle, drafter: Path | None, spec: HttpSpec, longest: int,
                 ours_methods: list[str]) -> hs.ServerPlan | None:  # fmt: skip
-    """What to start for engine `name` (None, logged by the caller's table, where it cannot run)."""
+    """What to start for engine `name`; None where it cannot run (vLLM without the SmolLM2
+    folder, DFlash without a drafter)."""
     max_len = longest + spec.max_new_tokens + 1
     if name == "ours":
         budget = max(spec.concurrency) * (bundle.config.block_size if bundle else 1)
@@ -274,7 +281,7 @@ def server_plan(name: str, target, bundle, drafter: Path | None, spec: HttpSpec,
     if name == "vllm-dflash":
         if drafter is None:
             return None
-        export = vllm_export(drafter, target, out / "vllm-drafter")
+        export = vllm_export(drafter, target, Path(spec.work) / "vllm-drafter")
     k = bundle.config.block_size if bundle else 8
     return hs.ServerPlan(name, hs.vllm_argv(name, smollm2_dir(), export, k, max(2048, max_len)), ["ar"])
 
@@ -291,8 +298,9 @@ def vllm_export(drafter: Path, target, dest: Path) -> Path:
 
 def serve_block(plan: hs.ServerPlan, spec: HttpSpec, ids: dict, res: Results, out: Path, log) -> None:
     """Start `plan`'s server once, warm it, run every C block it still lacks, stop it."""
-    log(f"{plan.engine}: starting (log: {out / 'logs' / plan.engine}.log)")
-    with hs.Server(plan, free_port(), out / "logs" / f"{plan.engine}.log", spec.nice) as srv:
+    log_path = Path(spec.work) / "logs" / f"{plan.engine}.log"
+    log(f"{plan.engine}: starting (log: {log_path})")
+    with hs.Server(plan, free_port(), log_path, spec.nice) as srv:
         log(f"{plan.engine}: ready in {srv.ready_s:.0f} s")
         res.data["servers"][plan.engine] = {"ready_s": srv.ready_s, "argv": srv.argv}
         methods = plan.methods if plan.engine == "ours" else [None]

@@ -119,6 +119,7 @@ def markdown(result: dict) -> str:
             f"{_ms(b['ttft_s']['p50'])} | {_ms(b['tpot_s']['p50'])} | {_fmt(b.get('tps_server_cpu'), 1)} | "
             f"{r['identical_to_inproc_ar'] or '–'} | {r.get('identical_to_vllm_plain') or '–'} |"
         )
+    lines += [f"Not run: {k} ({why})." for k, why in result.get("skipped", {}).items()]
     lines += ["", "Targets (issue 36):", ""] + [f"- {t}" for t in targets(result)]
     return "\n".join(lines) + "\n"
 

@@ -196,6 +196,9 @@ def bench_http(
         bool, typer.Option(help="py-spy on our server: one extra untimed AR run at C = 1 and 8 (profile.md)")
     ] = False,
     data_dir: PromptsDirOpt = None,
+    work: Annotated[Path, typer.Option(help="server logs and the drafter exported for vLLM")] = Path(
+        ".adaflash/bench-http"
+    ),
 ) -> None:
     """Every engine through its OpenAI HTTP API (ours and vLLM's), beside our in-process engine, one
     run, one client. Resumable: a rerun with the same options skips the cells results.json holds."""
@@ -209,7 +212,7 @@ def bench_http(
     spec = HttpSpec(target=target, engines=names, concurrency=[int(c) for c in csv(concurrency)],
                     domain=domain, prompts_per_cell=prompts_per_cell, min_prompts=min_prompts,
                     max_new_tokens=max_new_tokens, repeats=repeats, nice=nice, profile=profile,
-                    data_dir=str(data_dir) if data_dir else None)  # fmt: skip
+                    data_dir=str(data_dir) if data_dir else None, work=str(work))  # fmt: skip
     tgt, bundle = load(target, drafter)
     result = run_http_bench(tgt, bundle, drafter, spec, out, log=log)
     result["command"] = "adaflash bench-http " + " ".join(sys.argv[2:])
