@@ -87,6 +87,20 @@ def test_bench_http_table_resume_and_targets(tiny, tmp_path, monkeypatch):
     assert again["runs"] == json.loads((tmp_path / "results.json").read_text())["runs"]
 
 
+@needs_prompts
+def test_a_server_that_does_not_start_is_listed_and_the_run_goes_on(tiny, tmp_path, monkeypatch):
+    import sys
+
+    dead = [sys.executable, "-c", "raise SystemExit(3)"]
+    monkeypatch.setattr(hs, "ours_argv", lambda *a: dead)
+    spec = HttpSpec(target="tiny", engines=["ours"], concurrency=[1], max_new_tokens=4, min_prompts=2,
+                    repeats=1, work=str(tmp_path / "work"))  # fmt: skip
+    result = run_http_bench(tiny, None, None, spec, tmp_path, log=lambda s: None)
+    assert result["skipped"]["ours"].startswith("failed: ours exited with 3")
+    assert set(result["runs"]) == {"in-process"}  # the in-process rows are kept
+    assert "Not run: ours (failed: ours exited with 3" in (tmp_path / "results.md").read_text()
+
+
 def test_profile_summary_splits_threads_and_ranks_functions(tmp_path):
     raw = tmp_path / "p.txt"
     raw.write_text(

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from adaflash.bench import http_servers as hs
@@ -97,8 +98,6 @@ async def _one(client, body: dict) -> Reply:
 
 
 async def _closed_loop(url: str, bodies: list[dict], concurrency: int, timeout: float) -> list[Reply]:
-    import httpx
-
     todo = list(enumerate(bodies))
     out: list[Reply | None] = [None] * len(bodies)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -243,7 +242,12 @@ def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Pa
             continue
         if all(res.done(name, plan.methods, c) for c in spec.concurrency):
             continue
-        serve_block(plan, spec, ids, res, out, log)
+        try:
+            serve_block(plan, spec, ids, res, out, log)
+        except (AdaFlashError, httpx.HTTPError) as e:  # a server that fails: the others still run
+            log(f"{name}: FAILED: {e}")
+            res.data.setdefault("skipped", {})[name] = f"failed: {str(e).splitlines()[0]}"
+            res.save()
     return res.data
 
 
