@@ -88,6 +88,61 @@ def block_hidden(
     return hidden, labels, positions
 
 
+@dataclass
+class BlockBatch:
+    """The blocks of several sequences, in sequence order (see `batch_block_hidden`)."""
+
+    hidden: torch.Tensor  # [N, k, H] drafter hidden states (with grad)
+    labels: torch.Tensor  # [N, k-1]
+    positions: torch.Tensor  # [N, k] absolute positions in the block's own sequence
+    seq_of: torch.Tensor  # [N] index of the block's sequence
+
+
+def batch_block_hidden(
+    drafter: Drafter,
+    target: TargetModel,
+    seqs: list[SequencePass] | list[StoredSequence],
+    anchors: list[torch.Tensor],
+) -> BlockBatch:
+    """`block_hidden` for the blocks of several sequences in one drafter forward: the same
+    per-block math, with a few large matmuls instead of many small ones per sequence.
+
+    Each sequence's context (positions 0 .. max anchor - 1) is projected once, packed back to
+    back (`fc`, the norm, the k/v projections and RoPE act per token, so packing changes no
+    value), then padded to the longest context. Each sequence's blocks sit side by side in one
+    row of queries that sees its own context below each block's anchor and, of the row, only
+    its own block; the padding is never visible to a real query."""
+    k = drafter.block_size
+    dev = anchors[0].device
+    dtype = drafter.fc.weight.dtype
+    spans = [int(a.max()) for a in anchors]
+    S, A = max(spans), max(a.numel() for a in anchors)
+    feats = torch.cat([s.features[:n].to(dtype) for s, n in zip(seqs, spans, strict=True)])
+    kv = drafter.context_kv(feats[None], torch.cat([torch.arange(n, device=dev) for n in spans])[None])
+    starts = torch.tensor([0, *spans[:-1]], device=dev).cumsum(0)
+    # Rows past a sequence's own span point into the next one's context; the mask hides them.
+    rows = (starts[:, None] + torch.arange(S, device=dev)[None, :]).clamp_max(feats.shape[0] - 1)
+    kv = [(kk[0][:, rows].transpose(0, 1), vv[0][:, rows].transpose(0, 1)) for kk, vv in kv]
+    mask_id = drafter.config.mask_token_id
+    parts = [block_inputs(s.tokens, a, k, mask_id) for s, a in zip(seqs, anchors, strict=True)]
+    valid = (
+        torch.arange(A, device=dev)[None, :] < torch.tensor([a.numel() for a in anchors], device=dev)[:, None]
+    )
+    block = torch.full((len(seqs), A, k), mask_id, device=dev)
+    positions = torch.zeros(len(seqs), A, k, dtype=torch.long, device=dev)
+    block[valid], positions[valid] = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    anchor = positions[:, :, :1].expand(-1, -1, k).reshape(len(seqs), A * k, 1)
+    visible = torch.arange(S, device=dev)[None, None, :] < anchor  # padded blocks: anchor 0, none
+    own = torch.arange(A * k, device=dev) // k
+    own = (own[:, None] == own[None, :])[None].expand(len(seqs), -1, -1)
+    embeds = target.embed(block.view(len(seqs), A * k)).to(dtype)
+    hidden = drafter(embeds, positions.view(len(seqs), A * k), kv, visible, own)
+    seq_of = torch.arange(len(seqs), device=dev)[:, None].expand(-1, A)[valid]
+    return BlockBatch(
+        hidden.view(len(seqs), A, k, -1)[valid], torch.cat([p[2] for p in parts]), positions[valid], seq_of
+    )
+
+
 def accepted_prefix(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Counterfactual accepted drafts per block: longest prefix with pred == label."""
     return (pred == labels).long().cumprod(dim=1).sum(dim=1)

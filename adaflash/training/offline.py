@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from adaflash.models.drafter import Drafter
 from adaflash.models.transformer import TargetModel
-from adaflash.training.blocks import block_hidden
+from adaflash.training.blocks import batch_block_hidden, block_hidden
 from adaflash.training.feature_store import StoredSequence
 
 
@@ -84,6 +84,7 @@ class StepOut:
     loss: torch.Tensor  # weighted CE (with grad)
     correct_at: torch.Tensor  # [k-1] top-1 hits per draft position (training-vocab argmax)
     rows_at: torch.Tensor  # [k-1] supervised rows per position
+    loss_per_seq: torch.Tensor | None = None  # [B] (batched step): each sequence's loss
 
 
 def stored_block_loss(
@@ -101,36 +102,112 @@ def stored_block_loss(
     loss). With `kl_weight` > 0 the store's teacher top-k log-probs add a forward-KL term on the
     teacher's top-k ids (renormalised), restricted to ids inside the training vocabulary.
     """
-    hidden, labels, _ = block_hidden(drafter, target, seq, anchors)
+    hidden, labels, positions = block_hidden(drafter, target, seq, anchors)
+    full = labels >= 0
+    teacher = None
+    if kl_weight > 0 and seq.topk_ids is not None:
+        pos = positions[:, 1:][full]  # absolute label positions; row j of the store predicts j+1
+        teacher = seq.topk_ids[pos - 1], seq.topk_logp[pos - 1]
+    w_head = target.lm_head.weight[vocab.ids]
+    per_row, pos_w, correct_at, rows_at = _row_losses(
+        hidden, labels, w_head, vocab, weights, teacher, kl_weight
+    )
+    loss = (per_row * pos_w).sum() / pos_w.sum().clamp_min(1e-9)
+    return StepOut(loss, correct_at, rows_at)
+
+
+def batch_block_loss(
+    drafter: Drafter,
+    target: TargetModel,
+    batch: list[tuple[StoredSequence, torch.Tensor]],
+    weights: torch.Tensor,
+    vocab: VocabCut,
+    kl_weight: float = 0.0,
+) -> StepOut:
+    """The mean over `batch`'s (sequence, anchors) of `stored_block_loss`, in one drafter forward
+    and one LM-head matmul: each sequence keeps its own position-weighted mean, so the loss and
+    its gradients equal the sequential step's up to float rounding (tests/test_bootstrap_batch.py).
+    `StepOut.loss_per_seq` holds each sequence's loss."""
+    seqs = [s for s, _ in batch]
+    blocks = batch_block_hidden(drafter, target, seqs, [a for _, a in batch])
+    labels, seq_of = blocks.labels, blocks.seq_of
+    full = labels >= 0
+    teacher = None
+    if kl_weight > 0 and all(s.topk_ids is not None for s in seqs):
+        offsets = torch.tensor([0, *(s.tokens.numel() for s in seqs[:-1])], device=labels.device).cumsum(0)
+        pos = (offsets[seq_of][:, None] + blocks.positions[:, 1:])[full]
+        teacher = (
+            torch.cat([s.topk_ids for s in seqs])[pos - 1],
+            torch.cat([s.topk_logp for s in seqs])[pos - 1],
+        )
+    w_head = target.lm_head.weight[vocab.ids]
+    per_row, pos_w, correct_at, rows_at = _row_losses(
+        blocks.hidden, labels, w_head, vocab, weights, teacher, kl_weight
+    )
+    row_seq = seq_of[:, None].expand_as(labels)[full]
+    num = per_row.new_zeros(len(batch)).index_add(0, row_seq, per_row * pos_w)
+    den = pos_w.new_zeros(len(batch)).index_add(0, row_seq, pos_w)
+    per_seq = num / den.clamp_min(1e-9)
+    return StepOut(per_seq.mean(), correct_at, rows_at, per_seq.detach())
+
+
+def accumulate_step(
+    drafter: Drafter,
+    target: TargetModel,
+    batch: list[tuple[StoredSequence, torch.Tensor]],
+    weights: torch.Tensor,
+    vocab: VocabCut,
+    kl_weight: float = 0.0,
+    batched: bool = True,
+    bf16: bool = False,
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Accumulate the gradients of `batch`'s mean per-sequence loss: one batched forward/backward,
+    or one per sequence (`batched=False`: the same objective, one small forward each). Returns the
+    summed sequence losses and the top-1 hits and rows per draft position (on the host)."""
     k = drafter.block_size
+    total, correct, rows = 0.0, torch.zeros(k - 1), torch.zeros(k - 1)
+    device = weights.device.type
+    for part in ([batch] if batched else [[one] for one in batch]) if batch else []:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            out = batch_block_loss(drafter, target, part, weights, vocab, kl_weight)
+        (out.loss * (len(part) / len(batch))).backward()
+        total += float(out.loss_per_seq.sum())
+        correct += out.correct_at.cpu()
+        rows += out.rows_at.cpu()
+    return total, correct, rows
+
+
+def _row_losses(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    w_head: torch.Tensor,
+    vocab: VocabCut,
+    weights: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    kl_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per supervised row (labels >= 0, in row-major block order): the loss, its position weight;
+    and top-1 hits and rows per draft position. `teacher`: top-k (ids, log-probs) per row."""
     full = labels >= 0
     rows = hidden[:, 1:][full]
-    w_head = target.lm_head.weight[vocab.ids].to(rows.dtype)
-    logits = (rows @ w_head.T).float()
-    lab = vocab.index[labels[full]]
-    keep = lab >= 0
-    ce = F.cross_entropy(logits[keep], lab[keep], reduction="none")
-    pos_w = weights[None, :].expand_as(labels)[full]
-    per_row = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
-    per_row[keep] = ce
-    if kl_weight > 0 and seq.topk_ids is not None:
-        # absolute label positions
-        pos = (anchors[:, None] + torch.arange(1, k, device=anchors.device)[None, :])[full]
-        t_ids, t_logp = seq.topk_ids[pos - 1], seq.topk_logp[pos - 1]
+    logits = (rows @ w_head.to(rows.dtype).T).float()
+    # Labels outside the cut (-1) carry no CE (ignore_index gives their rows 0 without copying
+    # the kept rows of the widest tensor of the step).
+    per_row = F.cross_entropy(logits, vocab.index[labels[full]], ignore_index=-1, reduction="none")
+    if teacher is not None:
+        t_ids, t_logp = teacher
         t_idx = vocab.index[t_ids]
         ok = t_idx >= 0
         p = torch.where(ok, t_logp.exp(), torch.zeros_like(t_logp))
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
         logq = F.log_softmax(logits, -1).gather(1, t_idx.clamp_min(0))
         per_row = (1 - kl_weight) * per_row + kl_weight * -(p * logq).sum(-1)
-    loss = (per_row * pos_w).sum() / pos_w.sum().clamp_min(1e-9)
+    pos_w = weights[None, :].expand_as(labels)[full]
     with torch.no_grad():
         pred = torch.full_like(labels, -2)
         pred[full] = vocab.ids[logits.argmax(-1)]
         hit = (pred == labels) & full
-        correct_at = hit.sum(0)
-        rows_at = full.sum(0)
-    return StepOut(loss, correct_at, rows_at)
+    return per_row, pos_w, hit.sum(0), full.sum(0)
 
 
 def lr_at(step: int, total: int, peak: float, warmup_frac: float, floor: float = 0.1) -> float:
