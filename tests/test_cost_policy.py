@@ -77,6 +77,9 @@ def test_a_drafter_that_costs_more_than_it_brings_only_runs_to_explore(tiny64):
     # This machine's shape of costs, exaggerated: a drafter forward costs 3 target steps.
     engine.policy.costs = _costs({1: 0.05, 64: 0.06, 1024: 0.5}, {1: 0.15, 64: 0.3}, {1: 0.01, 512: 0.05})
     engine.policy.costs.target.rate = engine.policy.costs.drafter_block.rate = 0.0  # keep them
+    forwards = []  # drafter block forwards, per step: an exploration pays one even if refined away
+    block = engine.policy.drafter.forward
+    engine.policy.drafter.forward = lambda reqs: forwards.append(len(reqs)) or block(reqs)
     reqs = [engine.submit(Request(p, GenParams(max_tokens=60, temperature=0.0))) for p in PROMPTS[:4]]
     steps = drafter_steps = 0
     while (stats := engine.step()) is not None:
@@ -84,6 +87,12 @@ def test_a_drafter_that_costs_more_than_it_brings_only_runs_to_explore(tiny64):
         drafter_steps += "drafter" in stats.proposers
     assert all(len(r.output_ids) == 60 for r in reqs)
     assert drafter_steps <= steps / EXPLORE_EVERY + 1, (drafter_steps, steps)
+    # Four requests and no queue decode in lockstep: a forced drafter round for one of them
+    # saves the batch no step, so none is explored there. A lone request still explores.
+    assert forwards == [], forwards
+    alone = engine.submit(Request(PROMPTS[0], GenParams(max_tokens=2 * EXPLORE_EVERY, temperature=0.0)))
+    engine.run_until_idle()
+    assert len(alone.output_ids) == 2 * EXPLORE_EVERY and forwards
 
 
 def test_choose_skips_drafting_when_rows_cost_more_than_acceptance_brings():
