@@ -91,10 +91,11 @@ def test_bench_http_table_resume_and_targets(tiny, tmp_path, monkeypatch):
 def test_a_server_that_does_not_start_is_listed_and_the_run_goes_on(tiny, tmp_path, monkeypatch):
     import sys
 
-    dead = [sys.executable, "-c", "raise SystemExit(3)"]
+    # It exits with the code --ours-env hands it: the variable reaches our server's environment.
+    dead = [sys.executable, "-c", "import os; raise SystemExit(int(os.environ['EXIT_CODE']))"]
     monkeypatch.setattr(hs, "ours_argv", lambda *a: dead)
     spec = HttpSpec(target="tiny", engines=["ours"], concurrency=[1], max_new_tokens=4, min_prompts=2,
-                    repeats=1, work=str(tmp_path / "work"))  # fmt: skip
+                    repeats=1, work=str(tmp_path / "work"), ours_env={"EXIT_CODE": "3"})  # fmt: skip
     result = run_http_bench(tiny, None, None, spec, tmp_path, log=lambda s: None)
     assert result["skipped"]["ours"].startswith("failed: ours exited with 3")
     assert set(result["runs"]) == {"in-process"}  # the in-process rows are kept

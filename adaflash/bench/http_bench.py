@@ -56,6 +56,9 @@ class HttpSpec:
     data_dir: str | None = None
     max_prompt_tokens: int = 1024
     work: str = ".adaflash/bench-http"  # server logs and the drafter exported for vLLM (not results)
+    # Extra environment of our server only (an A/B of its threading: ADAFLASH_THREADS=1,
+    # OMP_WAIT_POLICY=ACTIVE, ... against the same in-process rows).
+    ours_env: dict[str, str] = field(default_factory=dict)
 
     def n_prompts(self, c: int) -> int:
         return self.prompts_per_cell or max(2 * c, self.min_prompts)
@@ -276,7 +279,7 @@ def server_plan(name: str, target, bundle, drafter: Path | None, spec: HttpSpec,
     if name == "ours":
         budget = max(spec.concurrency) * (bundle.config.block_size if bundle else 1)
         argv = hs.ours_argv(spec.target, drafter, max(spec.concurrency), max_len, budget)
-        return hs.ServerPlan(name, argv, ours_methods, ready_timeout=300)
+        return hs.ServerPlan(name, argv, ours_methods, env=dict(spec.ours_env), ready_timeout=300)
     if target.name != "smollm2":
         return None  # vLLM serves the dequantised SmolLM2 folder; the tiny target has none
     from adaflash.models.targets import smollm2_dir

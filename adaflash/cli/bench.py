@@ -199,6 +199,9 @@ def bench_http(
     work: Annotated[Path, typer.Option(help="server logs and the drafter exported for vLLM")] = Path(
         ".adaflash/bench-http"
     ),
+    ours_env: Annotated[
+        list[str] | None, typer.Option(help="KEY=VALUE in our server's environment only (repeatable)")
+    ] = None,
 ) -> None:
     """Every engine through its OpenAI HTTP API (ours and vLLM's), beside our in-process engine, one
     run, one client. Resumable: a rerun with the same options skips the cells results.json holds."""
@@ -212,9 +215,18 @@ def bench_http(
     spec = HttpSpec(target=target, engines=names, concurrency=[int(c) for c in csv(concurrency)],
                     domain=domain, prompts_per_cell=prompts_per_cell, min_prompts=min_prompts,
                     max_new_tokens=max_new_tokens, repeats=repeats, nice=nice, profile=profile,
-                    data_dir=str(data_dir) if data_dir else None, work=str(work))  # fmt: skip
+                    data_dir=str(data_dir) if data_dir else None, work=str(work),
+                    ours_env=_env_pairs(ours_env or []))  # fmt: skip
     tgt, bundle = load(target, drafter)
     result = run_http_bench(tgt, bundle, drafter, spec, out, log=log)
     result["command"] = "adaflash bench-http " + " ".join(sys.argv[2:])
     for f in write_outputs(result, out):
         console.print(str(f))
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    """`KEY=VALUE` options as a dict (an error names the malformed one)."""
+    bad = [i for i in items if "=" not in i or not i.split("=", 1)[0]]
+    if bad:
+        raise InputError(f"--ours-env takes KEY=VALUE, got {', '.join(bad)}")
+    return dict(i.split("=", 1) for i in items)
