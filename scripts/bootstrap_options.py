@@ -1,0 +1,160 @@
+"""The options table (issue 34): each training option at the same CPU-minutes budget, held-out τ.
+
+Every option is the shipped recipe (`BootstrapConfig()`) with a few fields changed (`OPTIONS`).
+Equal CPU minutes are set by work, not by a clock inside the run: the option's steps per
+CPU-minute are first measured over `--calibrate` steps of a throw-away trainer (this process's CPU
+time, `time.process_time`), its run then gets `budget x rate` steps — a step count, so the run is
+deterministic, its learning-rate schedule completes and it resumes like any bootstrap — and the
+table reports the CPU minutes it really spent beside the budget. Each option trains a fresh
+drafter (same seed, same data order) with `adaflash drafter bootstrap`'s trainer into
+`<out>/<option>/`, which then holds its drafter, metrics and model card; an option whose metrics
+exist is not run again, so the table resumes, and two processes with different `--options` and
+the same `--out` split the work over the cores. The report (results.json, results.md) is rebuilt
+from every option folder under `--out` after each option.
+
+    ADAFLASH_CACHE=.cache/adaflash nice -n 10 python scripts/bootstrap_options.py \\
+        --options today,batched,batched+bf16,anchors32 --cpu-minutes 20 --out benchmarks/options
+
+Held-out τ is `evaluate_acceptance` over `--eval-per-domain` held-out prompts per domain (the
+bootstrap's own evaluation, after its length-head phase). The first run on a machine builds the
+train feature store (one target pass over the train corpus) before any option trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from adaflash.models.targets import load_target
+from adaflash.training.bootstrap import METRICS, BootstrapConfig, BootstrapTrainer
+
+# Each option: the fields it changes in the shipped recipe.
+OPTIONS: dict[str, dict] = {
+    "today": {"batch_step": False},  # one forward/backward per sequence (the step before issue 34)
+    "batched": {},  # the shipped recipe: one padded forward/backward per step
+    "batched+bf16": {"bf16": True},
+    "anchors32": {"anchors_per_seq": 32},
+    "anchors32+bf16": {"anchors_per_seq": 32, "bf16": True},
+    "seqs16": {"seqs_per_step": 16},
+    "kd": {"kl_weight": 0.5, "teacher_topk": 32},  # hard CE + top-32 forward KL on target logits
+    "uniform-positions": {"position_decay": None},
+    "block16": {"block_size": 16, "position_decay": 7.0},
+    "layers1": {"num_layers": 1},
+    "layers3": {"num_layers": 3},
+}
+
+
+def steps_per_cpu_minute(target, cfg: BootstrapConfig, steps: int, warm: int = 2) -> float:
+    """The option's training speed, measured on a throw-away trainer (same data, same seed)."""
+    trainer = BootstrapTrainer(target, Path(tempfile.mkdtemp()), replace(cfg, head_steps=0))
+    _, store, _ = trainer._data(None)
+    vocab = trainer._vocab(store)
+    cpu = 0.0
+    for i in range(warm + steps):
+        t = time.process_time()
+        trainer._train_step(store, vocab)
+        trainer.state.step += 1
+        if i >= warm:
+            cpu += time.process_time() - t
+    return 60 * steps / cpu
+
+
+def run_option(target, name: str, args: argparse.Namespace) -> dict:
+    out = args.out / name
+    if (out / METRICS).exists():
+        return json.loads((out / METRICS).read_text())
+    base = replace(
+        BootstrapConfig(**OPTIONS[name]),
+        generate_missing=args.generate,
+        max_train_prompts=args.max_train_prompts,
+        eval_per_domain=args.eval_per_domain,
+        seed=args.seed,
+    )
+    rate = steps_per_cpu_minute(target, base, args.calibrate)
+    cfg = replace(base, steps=max(1, int(rate * args.cpu_minutes)))
+    print(f"{name}: {rate:.1f} steps per CPU-minute -> {cfg.steps} steps", flush=True)
+    command = f"scripts/bootstrap_options.py --options {name} --cpu-minutes {args.cpu_minutes}"
+    metrics = BootstrapTrainer(target, out, cfg).run(command)
+    metrics["option"] = {"name": name, "changes": OPTIONS[name], "calibrated_steps_per_cpu_minute": rate}
+    (out / METRICS).write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def report(out: Path, budget: float) -> dict:
+    rows = {}
+    for path in sorted(out.glob(f"*/{METRICS}")):
+        m = json.loads(path.read_text())
+        if "option" not in m:
+            continue
+        rows[m["option"]["name"]] = {
+            "changes": m["option"]["changes"],
+            "steps": m["steps"],
+            "train_cpu_minutes": m.get("train_cpu_minutes"),
+            "steps_per_cpu_minute": round(m["option"]["calibrated_steps_per_cpu_minute"], 1),
+            "tau": {d: r["dflash_tau"] for d, r in m["heldout"].items()},
+            "acc1": m["heldout"]["all"]["accept_rate_by_position"][0],
+            "ngram_tau": m["heldout"]["all"].get("ngram_tau"),
+        }
+    result = {
+        "cpu_minutes_budget": budget,
+        "threads": torch.get_num_threads(),
+        "recipe": asdict(BootstrapConfig()),  # what every option changes a few fields of
+        "options": rows,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(markdown(result))
+    return result
+
+
+def markdown(r: dict) -> str:
+    domains = sorted({d for row in r["options"].values() for d in row["tau"]} - {"all"}) + ["all"]
+    lines = [
+        f"# Options at {r['cpu_minutes_budget']} CPU-minutes of training each ({r['threads']} thread(s))",
+        "",
+        "| option | changes | steps/CPU-min | steps | CPU-min | "
+        + " | ".join(f"τ {d}" for d in domains)
+        + " | acc@1 |",
+        "|---|---|---:|---:|---:|" + "---:|" * (len(domains) + 1),
+    ]
+    for name, row in r["options"].items():
+        changes = ", ".join(f"{k}={v}" for k, v in row["changes"].items()) or "shipped recipe"
+        taus = " | ".join(f"{row['tau'].get(d, float('nan')):.3f}" for d in domains)
+        lines.append(
+            f"| {name} | {changes} | {row['steps_per_cpu_minute']} | {row['steps']} | "
+            f"{row['train_cpu_minutes']} | {taus} | {row['acc1']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--options", default="today,batched,batched+bf16,anchors32")
+    ap.add_argument("--cpu-minutes", type=float, default=20.0, help="training CPU minutes per option")
+    ap.add_argument("--calibrate", type=int, default=8, help="timed steps that set an option's step count")
+    ap.add_argument("--eval-per-domain", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--generate", action="store_true", help="generate responses the corpus lacks")
+    ap.add_argument("--max-train-prompts", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/options"))
+    args = ap.parse_args()
+    unknown = set(args.options.split(",")) - set(OPTIONS)
+    if unknown:
+        ap.error(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.options.split(","):
+        run_option(target, name, args)
+        print(markdown(report(args.out, args.cpu_minutes)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
