@@ -45,6 +45,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 on tiny, 256 else")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast in the training steps")
     ap.add_argument(
+        "--sequential-step",
+        action="store_true",
+        help="one forward/backward per sequence (the step before issue 34) instead of one batched",
+    )
+    ap.add_argument(
         "--budget-minutes", type=float, default=None, help="optional cap on the bootstrap (a lease is short)"
     )
     ap.add_argument(
@@ -189,6 +194,7 @@ def stage_bootstrap(args: argparse.Namespace, device) -> dict:
         curve_every_steps=max(args.steps // 4, 1),
         head_steps=min(150, max(args.steps // 2, 5)),
         bf16=args.bf16,
+        batch_step=not args.sequential_step,
         budget_minutes=args.budget_minutes,
     )
     # Responses come from the committed corpus or are generated on the host first: generation
@@ -217,6 +223,7 @@ def stage_bootstrap(args: argparse.Namespace, device) -> dict:
         "stopped_by_budget": metrics["stopped_by_budget"],
         "device": str(next(target.model.parameters()).device),
         "bf16": args.bf16,
+        "batch_step": not args.sequential_step,
         "steps": metrics["steps"],
         "train_seconds": round(train_s, 2),
         "steps_per_second": round(metrics["steps"] / max(train_s, 1e-9), 2),
@@ -286,7 +293,12 @@ def _markdown(res: dict) -> str:
             )
     b = res.get("bootstrap", {})
     if b.get("ok"):
-        lines += ["", f"## Bootstrap ({b['target']} on {b['device']}, bf16 {b['bf16']})", ""]
+        lines += [
+            "",
+            f"## Bootstrap ({b['target']} on {b['device']}, bf16 {b['bf16']}, "
+            f"batched step {b.get('batch_step', False)})",
+            "",
+        ]
         lines.append(
             f"{b['steps']} steps in {b['train_seconds']} s of training: **{b['steps_per_second']} steps/s** "
             f"({b['steps_per_minute']} per minute); whole run {b['wall_minutes']} min; "
