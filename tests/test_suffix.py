@@ -241,9 +241,9 @@ def test_sure_lockstep_drafts_stay_token_identical_to_ar(tiny64, monkeypatch):
     prompts = [[256, *f"row {i}: select name from t{i % 3} where id =".encode()] for i in range(8)]
     ref = ar_reference(tiny64, prompts, 24)
     monkeypatch.setattr(lockstep, "critical", lambda reqs, chosen: [lockstep.NONE] * len(reqs))
-    cfg = EngineConfig(method="adaflash-cost", max_running=8, calibrate=False)
+    cfg = EngineConfig(method="adaflash-cost", max_running=8, calibrate=False, lockstep_min_prob=0.9)
     engine = Engine(tiny64, make_bundle(tiny64), cfg)
-    engine.policy.config.lockstep_min_prob = 0.9
+    assert engine.policy.config.lockstep_min_prob == 0.9
     # Fixed costs (verify rows nearly free, a drafter forward dear), so the plan's value does not
     # depend on this machine's load.
     costs = engine.policy.costs = _costs(

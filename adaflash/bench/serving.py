@@ -40,6 +40,7 @@ from adaflash.bench.peers import (
 )
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.targets import Target
+from adaflash.serving.config import LOCKSTEP_MIN_PROB
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
 from adaflash.workloads import DOMAINS, MESSAGE_SETS, interleave, load_prompts, message_prompts, message_set
@@ -57,6 +58,7 @@ class BenchSpec:
     max_new_tokens: int = 64
     gamma: float = 1.0
     probe_every: int = 1  # EngineConfig.probe_every (1 = the published method)
+    lockstep_min_prob: float = LOCKSTEP_MIN_PROB  # EngineConfig.lockstep_min_prob (0: off)
     hf_baseline: bool = True
     llamacpp: bool = True  # llama.cpp at C = 1 when llama-cpp-python is installed (else a note)
     bounds: bool = True  # the machine's bandwidth/matmul bounds and our AR's fraction of them
@@ -224,6 +226,7 @@ def bench_engine(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, 
             step_token_budget=max(spec.concurrency) * (bundle.config.block_size if bundle else 1),
             shadow_a_hat=True,
             probe_every=spec.probe_every,
+            lockstep_min_prob=spec.lockstep_min_prob,
         ),
         drafter_version=str(bundle.path) if bundle is not None and bundle.path else None,
     )

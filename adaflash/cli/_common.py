@@ -45,6 +45,15 @@ DtypeOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+LockstepOpt = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        help="adaflash-cost, no queue: when the priced plan drafts nothing, the longest requests verify "
+        "model-free drafts estimated at >= this (0: off)",
+    ),
+]
 
 
 def adaflash_home() -> Path:

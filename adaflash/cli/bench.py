@@ -9,10 +9,12 @@ from typing import Annotated
 
 import typer
 
-from adaflash.cli._common import DtypeOpt, PromptsDirOpt, TargetOpt, console, csv, load, log
+from adaflash.cli._common import DtypeOpt, LockstepOpt, PromptsDirOpt, TargetOpt, console, csv, load, log
 from adaflash.errors import InputError
+from adaflash.serving.config import LOCKSTEP_MIN_PROB
 
 app = typer.Typer()
+MODEL_FREE = ("ar", "ngram", "suffix")  # methods that run without a drafter
 
 
 @app.command()
@@ -51,6 +53,7 @@ def bench(
     min_prompts: Annotated[int, typer.Option()] = 4,
     gamma: Annotated[float, typer.Option()] = 1.0,
     probe_every: Annotated[int, typer.Option(help="after k̂=1, skip the drafter for N-1 rounds")] = 1,
+    lockstep_min_prob: LockstepOpt = LOCKSTEP_MIN_PROB,
     hf_baseline: Annotated[bool, typer.Option(help="also time transformers.generate at equal batch")] = True,
     llamacpp: Annotated[
         bool, typer.Option(help="also time llama.cpp at batch 1 on the target's GGUF (`make bench-peers`)")
@@ -90,6 +93,7 @@ def bench(
         max_new_tokens=max_new_tokens,
         gamma=gamma,
         probe_every=probe_every,
+        lockstep_min_prob=lockstep_min_prob,
         hf_baseline=hf_baseline,
         llamacpp=llamacpp,
         bounds=bounds,
@@ -99,8 +103,7 @@ def bench(
         warm=warm,
         max_prompt_tokens=max_prompt_tokens,
     )
-    model_free = ("ar", "ngram", "suffix")
-    if any(m.removesuffix("-nocache") not in model_free for m in spec.methods) and drafter is None:
+    if drafter is None and any(m.removesuffix("-nocache") not in MODEL_FREE for m in spec.methods):
         raise InputError("methods other than ar, ngram and suffix need --drafter DIR")
     tgt, bundle = load(target, drafter, dtype)
     result = run_bench(tgt, bundle, spec, log=log)

@@ -11,8 +11,9 @@ from typing import Annotated
 
 import typer
 
-from adaflash.cli._common import BootstrapOpt, TargetOpt, console, err_console, load
+from adaflash.cli._common import BootstrapOpt, LockstepOpt, TargetOpt, console, err_console, load
 from adaflash.errors import InputError
+from adaflash.serving.config import LOCKSTEP_MIN_PROB
 
 app = typer.Typer()
 sglang_app = typer.Typer(no_args_is_help=True, help="Serve exported drafters with SGLang (GPU fleet).")
@@ -79,6 +80,7 @@ def serve(
     step_token_budget: Annotated[int, typer.Option(help="verify tokens one step may pack")] = 1024,
     beta: Annotated[float, typer.Option(help="EMA weight of admission's N̂")] = 0.5,
     probe_every: Annotated[int, typer.Option(help="after k̂=1, skip the drafter for N-1 rounds")] = 1,
+    lockstep_min_prob: LockstepOpt = LOCKSTEP_MIN_PROB,
     bootstrap_servers: Annotated[
         str | None, typer.Option("--bootstrap-servers", help="Kafka for feedback records (none: no feedback)")
     ] = None,
@@ -122,6 +124,7 @@ def serve(
         step_token_budget=step_token_budget,
         beta=beta,
         probe_every=probe_every,
+        lockstep_min_prob=lockstep_min_prob,
         suffix=SuffixCacheConfig(
             enabled=suffix_cache,
             cross_tenant=suffix_cross_tenant,
