@@ -309,24 +309,3 @@ def test_without_a_queue_sure_model_free_drafts_can_save_a_step_the_priced_plan_
     long = [Option("suffix", 5, 3.4)] * 6 + [Option("ngram", 3, 2.9), Option("none", 0, 0.0)]
     assert lockstep(costs, 1.0, cands, long, 8, 0, 8) == [Option("none", 0, 0.0)] * 8
     assert lockstep(costs, 1.0, cands, plan, 8, 0, 8) == plan
-
-
-def test_suffix_calibration_scores_unverified_proposals_censored_not_only_their_misses(tiny64):
-    """In a plain step a policy request's suffix proposal is scored against the one committed
-    token: a hit is censored there (its later drafts are unknown), a miss is not. Counting
-    misses alone drove accepted / estimated to its 0.2 floor on drafts that were right as often
-    as they claimed, and priced the suffix cache out of every step after (C = 8 tools)."""
-    import random
-
-    from adaflash.serving.proposer import assemble
-
-    policy = Engine(tiny64, None, EngineConfig(method="adaflash-cost", max_running=1, calibrate=False)).policy
-    req = Request([256, 1, 2, 3], GenParams(max_tokens=64), tenant_id="acme")
-    req.method, req.output_ids = "adaflash-cost", [7]
-    plan = assemble([req], [[]], [None], [None], ["none"], tiny64.config.vocab_size, tiny64.model.dtype)
-    rng = random.Random(0)
-    for _ in range(300):  # its first draft is right 60% of the time, as its estimate says
-        req.suffix_probs = [0.6, 0.5, 0.4]
-        policy._proposed = {"ngram": {}, "suffix": {0: [11, 12, 13]}}
-        policy.observe([req], plan, [0], [11 if rng.random() < 0.6 else 99])
-    assert 0.85 < policy.suffix_calibration < 1.15, policy.suffix_calibration

@@ -395,12 +395,8 @@ class CostPolicy:
                     tried = min(len(proposal), len(new))
                     hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
                     self.stats[name].observe(tried, hits)
-                    if name == "suffix":
-                        # Censored at `tried`: min(accepted, tried) = hits against its estimate
-                        # Σ_{j<tried} S_j. Only the misses (hits < tried) would bias the ratio
-                        # low: in plain steps (tried = 1) every hit is censored, and the ratio
-                        # sat at its 0.2 floor where the policy drafted nothing (C = 8 tools).
-                        self._calibrate_suffix(r.suffix_probs, tried, hits)
+                    if name == "suffix" and hits < tried:  # its full acceptance is known: hits
+                        self._calibrate_suffix(r.suffix_probs, len(proposal), hits)
                 else:
                     continue
                 hit = float(hits > 0)
