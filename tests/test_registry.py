@@ -208,6 +208,23 @@ def test_versions_are_strings_whatever_the_store_returns(mlflow_server, tiny, dr
     assert local.champion() == "1"
 
 
+def test_a_download_is_reused_only_for_the_same_versions_source(drafters, client):
+    """Version numbers repeat across registries (another MLflow server, or this one after its
+    store was reset): the download cache must not serve the old registry's v1 for the new one's."""
+    name = "reset-drafter"
+    reg = client(name)
+    reg.register(drafters[0], LINEAGE, METRICS)
+    first = reg.download("1")
+    assert reg.download("1") == first  # the same version's source: the download is reused
+    reg._client.delete_registered_model(name)  # the store is reset: v1 will be another drafter
+    assert reg.register(drafters[1], LINEAGE, METRICS) == "1"
+    again = reg.download("1")
+    assert again == first  # the same place on disk ...
+    for k, w in _weights(drafters[1]).items():  # ... now holding the new registry's v1
+        assert torch.equal(_weights(again)[k], w)
+    assert any(not torch.equal(_weights(again)[k], w) for k, w in _weights(drafters[0]).items())
+
+
 def test_no_broker_logs_and_keeps_the_action(drafters, client, caplog):
     dead = f"127.0.0.1:{free_port()}"
     reg = client("no-broker-drafter", dead)

@@ -52,12 +52,14 @@ async def _burst(url: str, n: int, clients: int = 32) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_flushes_every_finished_requests_feedback_record(tmp_path):
+@pytest.mark.parametrize("step_loop", ["thread", "main"])  # `main`: uvicorn on a thread of its own
+def test_sigterm_flushes_every_finished_requests_feedback_record(tmp_path, step_loop):
     with running_broker(tmp_path / "broker") as broker:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         feedback = ["--bootstrap-servers", broker.bootstrap_servers, "--spool-dir", str(tmp_path / "spool")]
-        argv = ["serve", "--target", "tiny", "--method", "ar", "--port", str(port), *feedback]
+        argv = ["serve", "--target", "tiny", "--method", "ar", "--port", str(port), "--step-loop", step_loop,
+                *feedback]  # fmt: skip
         proc = subprocess.Popen(
             [sys.executable, "-m", "adaflash", *argv],
             stdout=subprocess.DEVNULL,

@@ -496,37 +496,46 @@ def test_loop_that_keeps_failing_gives_up_visibly(tiny64, monkeypatch):
 
 
 DYING_SERVER = """
-import sys, time, torch
+import sys, threading, time, torch
 from adaflash.models.targets import tiny_target
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
-from adaflash.serving.launch import exit_when_engine_dies
+from adaflash.serving.launch import exit_when_engine_dies, step_in_foreground
 
 engine = Engine(tiny_target(torch.float32), None, EngineConfig(method="ar"))
 def dead(*a, **kw):
     raise RuntimeError("the accelerator fell off")
 engine.runner.forward = dead
-engine.start()
-exit_when_engine_dies(engine, lambda line: print(line, file=sys.stderr, flush=True))
-for _ in range(4):
-    try:
-        engine.submit(Request([1, 2, 3], GenParams(max_tokens=4, temperature=0)))
-    except Exception:  # EngineFailed once the loop is gone: the watchdog exits meanwhile
-        pass
-    time.sleep(0.2)
+log = lambda line: print(line, file=sys.stderr, flush=True)
+def clients():
+    for _ in range(4):
+        try:
+            engine.submit(Request([1, 2, 3], GenParams(max_tokens=4, temperature=0)))
+        except Exception:  # EngineFailed once the loop is gone: the process exits meanwhile
+            pass
+        time.sleep(0.2)
+if sys.argv[1] == "main":  # `serve --step-loop main`
+    threading.Thread(target=clients, daemon=True).start()
+    step_in_foreground(engine, log)
+else:  # `serve` (--step-loop thread): the watchdog
+    engine.start()
+    exit_when_engine_dies(engine, log)
+    clients()
 time.sleep(30)
 print("still running", flush=True)
 """
 
 
-def test_a_server_whose_step_loop_died_exits_non_zero_for_its_supervisor():
-    """`adaflash serve`'s watchdog: a loop that gave up ends the process with 70, so that the
-    stack's supervisor (or systemd, or Kubernetes) restarts it rather than leave it answering 503."""
+@pytest.mark.parametrize("step_loop", ["thread", "main"])
+def test_a_server_whose_step_loop_died_exits_non_zero_for_its_supervisor(step_loop):
+    """`adaflash serve`'s step loop, on its thread or the main one: a loop that gave up ends the
+    process with 70, so that the stack's supervisor (or systemd, or Kubernetes) restarts it rather
+    than leave it answering 503."""
     import os
     import subprocess
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-c", DYING_SERVER],
+        [sys.executable, "-c", DYING_SERVER, step_loop],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,7 +11,10 @@ shows served AR / in-process AR.
 
 Per run: output tokens / wall time (the server's `usage`), TTFT (first streamed token), TPOT
 ((end - first token) / (tokens - 1)), and the server's CPU seconds. Each cell runs `repeats` times,
-the method order alternating; the table shows the best run and the mean of runs. Outputs are
+the method order alternating; the table shows the best run and the mean of runs. Every (C, run)
+has prompts of its own, never sent to any server before (the same ones for every engine): a server
+that learns from what it served (vLLM `suffix`'s global tree) must not be timed on answers it has
+already seen. Outputs are
 compared by token id with the in-process AR's (every row), and each vLLM row with vLLM plain's too.
 
 Resumable: results.json is written after every (server, C) block; a rerun with the same options
@@ -34,11 +37,13 @@ import numpy as np
 from adaflash.bench import http_servers as hs
 from adaflash.bench.http_report import INPROC, markdown
 from adaflash.bench.serving import BenchSpec, bench_engine, machine, run_cell, workload
-from adaflash.errors import AdaFlashError
+from adaflash.errors import AdaFlashError, InputError
 from adaflash.feedback.broker import free_port
 
 PROFILE_RATE = 100  # py-spy samples per second
-MAIN_THREAD_AR = "ar-main"  # the in-process AR row on the main thread (as `adaflash bench` runs it)
+
+
+Prompts = list[list[int]]  # token ids, one list per prompt
 
 
 @dataclass
@@ -158,14 +163,12 @@ def http_cell(url: str, prompts: list[list[int]], method: str | None, concurrenc
     return cell, [r.token_ids for r in replies]
 
 
-def inproc_cell(engine, prompts: list[list[int]], method: str, concurrency: int, max_new: int):
-    """The same cell in-process (no HTTP), in the same shape as `http_cell`'s. It runs on a worker
-    thread, as `adaflash serve`'s step loop does; `ar-main` is AR on the main thread, as `adaflash
-    bench` runs it. The thread matters: on the main thread torch's OpenMP team spin-waits, and on
-    a busy machine that made the same cell 10-100x slower (tiny target, load 10 on 2 cores: 2-19 s
-    against 0.16-0.26 s on a thread; `OMP_WAIT_POLICY=PASSIVE` closed the gap too)."""
-    if method == MAIN_THREAD_AR:
-        c, outs = run_cell(engine, prompts, "ar", concurrency, max_new)
+def inproc_cell(engine, prompts: Prompts, method: str, concurrency: int, max_new: int, on_main: bool):
+    """The same cell in-process (no HTTP), in the same shape as `http_cell`'s, on the thread where
+    our server steps its engine: a worker thread, or the main one with `ADAFLASH_STEP_LOOP=main`
+    in `--ours-env` (`serving.launch.STEP_LOOPS` says why the thread matters)."""
+    if on_main:
+        c, outs = run_cell(engine, prompts, method, concurrency, max_new)
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="inproc-cell") as pool:
             c, outs = pool.submit(run_cell, engine, prompts, method, concurrency, max_new).result()
@@ -205,13 +208,33 @@ class Results:
 
 
 def block(spec: HttpSpec, methods: list[str], run) -> dict[str, list]:
-    """`spec.repeats` runs of each method, the order alternating (forward, reversed, ...) so that a
-    drift of the machine's speed favours no method."""
+    """`spec.repeats` runs of each method, `run(method, rep)`, the order alternating (forward,
+    reversed, ...) so that a drift of the machine's speed favours no method."""
     runs: dict[str, list] = {m: [] for m in methods}
     for rep in range(spec.repeats):
         for m in methods if rep % 2 == 0 else methods[::-1]:
-            runs[m].append(run(m))
+            runs[m].append(run(m, rep))
     return runs
+
+
+WARM_PROMPTS = 2  # the first prompts warm each server up (untimed); no timed run sees them
+
+
+def prompt_plan(spec: HttpSpec, prompts: Prompts) -> tuple[Prompts, dict[int, list[Prompts]]]:
+    """Split the prompts into the warm-up ones and `ids[C][rep]`: disjoint slices, one per (C, run)."""
+    need = WARM_PROMPTS + spec.repeats * sum(map(spec.n_prompts, spec.concurrency))
+    if len(prompts) < need:
+        raise InputError(
+            f"bench-http needs {need} distinct prompts ({spec.repeats} runs x C = {spec.concurrency}, "
+            f"each run its own prompts, + {WARM_PROMPTS} warm-up) but the {spec.domain!r} domain has "
+            f"{len(prompts)} within {spec.max_prompt_tokens} tokens: lower --repeats / --concurrency, "
+            "or use a bigger domain"
+        )
+    it = iter(prompts)
+    warm = [next(it) for _ in range(WARM_PROMPTS)]
+    ids = {c: [[next(it) for _ in range(spec.n_prompts(c))] for _ in range(spec.repeats)]
+           for c in spec.concurrency}  # fmt: skip
+    return warm, ids
 
 
 def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Path, log=print) -> dict:
@@ -224,17 +247,17 @@ def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Pa
             data_dir=spec.data_dir and Path(spec.data_dir),
             max_prompt_tokens=spec.max_prompt_tokens,
         ),
-        max(map(spec.n_prompts, spec.concurrency)),
+        WARM_PROMPTS + spec.repeats * sum(map(spec.n_prompts, spec.concurrency)),
     )
     prompts = rows[spec.domain]
-    ids = {c: [p for _, p in prompts[: spec.n_prompts(c)]] for c in spec.concurrency}
+    warm, ids = prompt_plan(spec, [p for _, p in prompts])
     longest = max(len(p) for _, p in prompts)
     head = {"spec": asdict(spec), "target": target.name, "drafter": str(drafter) if drafter else None,
             "block_size": bundle.config.block_size if bundle else None, "machine": machine(),
             "prompts": [pid for pid, _ in prompts]}  # fmt: skip
     res = Results(out, head)
     ours_methods = ["ar", "adaflash-cost"] if bundle is not None else ["ar"]
-    inproc_blocks(target, bundle, spec, ids, longest, [*ours_methods, MAIN_THREAD_AR], res, log)
+    inproc_blocks(target, bundle, spec, ids, longest, ours_methods, res, log)
     gc.collect()  # the in-process engine's KV cache and packed weights, before the servers start
     for name in spec.engines:
         plan = server_plan(name, target, bundle, drafter, spec, longest, ours_methods)
@@ -246,7 +269,7 @@ def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Pa
         if all(res.done(name, plan.methods, c) for c in spec.concurrency):
             continue
         try:
-            serve_block(plan, spec, ids, res, out, log)
+            serve_block(plan, spec, warm, ids, res, out, log)
         except (AdaFlashError, httpx.HTTPError) as e:  # a server that fails: the others still run
             log(f"{name}: FAILED: {e}")
             res.data.setdefault("skipped", {})[name] = f"failed: {str(e).splitlines()[0]}"
@@ -260,11 +283,13 @@ def inproc_blocks(target, bundle, spec: HttpSpec, ids: dict, longest: int, metho
     todo = [c for c in spec.concurrency if not res.done(INPROC, methods, c)]
     if not todo:
         return
-    served = [m for m in methods if m != MAIN_THREAD_AR]  # the engine's default method: serve's
-    sized = BenchSpec(methods=served, concurrency=spec.concurrency, max_new_tokens=spec.max_new_tokens)
+    sized = BenchSpec(methods=methods, concurrency=spec.concurrency, max_new_tokens=spec.max_new_tokens)
     engine = bench_engine(target, bundle, sized, longest)
     for c in todo:
-        runs = block(spec, methods, lambda m, c=c: inproc_cell(engine, ids[c], m, c, spec.max_new_tokens))
+        timed = lambda m, rep, c=c: inproc_cell(  # noqa: E731
+            engine, ids[c][rep], m, c, spec.max_new_tokens, spec.ours_env.get("ADAFLASH_STEP_LOOP") == "main"
+        )
+        runs = block(spec, methods, timed)
         for m in methods:
             res.add(INPROC, m, c, runs[m])
             log(_line(INPROC, m, c, runs[m]))
@@ -303,7 +328,8 @@ def vllm_export(drafter: Path, target, dest: Path) -> Path:
     return dest
 
 
-def serve_block(plan: hs.ServerPlan, spec: HttpSpec, ids: dict, res: Results, out: Path, log) -> None:
+def serve_block(plan: hs.ServerPlan, spec: HttpSpec, warm: Prompts, ids: dict, res: Results, out: Path,
+                log) -> None:  # fmt: skip
     """Start `plan`'s server once, warm it, run every C block it still lacks, stop it."""
     log_path = Path(spec.work) / "logs" / f"{plan.engine}.log"
     log(f"{plan.engine}: starting (log: {log_path})")
@@ -311,14 +337,14 @@ def serve_block(plan: hs.ServerPlan, spec: HttpSpec, ids: dict, res: Results, ou
         log(f"{plan.engine}: ready in {srv.ready_s:.0f} s")
         res.data["servers"][plan.engine] = {"ready_s": srv.ready_s, "argv": srv.argv}
         methods = plan.methods if plan.engine == "ours" else [None]
-        http_cell(
-            srv.url, ids[min(ids)][:2], methods[0], 2, min(8, spec.max_new_tokens)
-        )  # warm-up: first-call costs are not timed
+        http_cell(srv.url, warm, methods[0], 2, min(8, spec.max_new_tokens))  # first-call costs: untimed
         for c in spec.concurrency:
             if res.done(plan.engine, plan.methods, c):
                 continue
-            runs = block(spec, methods, lambda m, c=c: http_cell(srv.url, ids[c], m, c, spec.max_new_tokens,
-                                                                  srv.cpu_seconds))  # fmt: skip
+            timed = lambda m, rep, c=c: http_cell(  # noqa: E731
+                srv.url, ids[c][rep], m, c, spec.max_new_tokens, srv.cpu_seconds
+            )
+            runs = block(spec, methods, timed)
             for m in methods:
                 res.add(plan.engine, m or "ar", c, runs[m])
                 log(_line(plan.engine, m or "ar", c, runs[m]))
@@ -333,7 +359,7 @@ def profile_ours(srv: hs.Server, spec: HttpSpec, ids: dict, out: Path, log) -> N
     for c in [c for c in (1, 8) if c in ids]:
         raw = out / f"profile-ar-c{c}.txt"
         with hs.PySpy(srv.pid, raw, rate=PROFILE_RATE):
-            cell, _ = http_cell(srv.url, ids[c], "ar", c, spec.max_new_tokens)
+            cell, _ = http_cell(srv.url, ids[c][0], "ar", c, spec.max_new_tokens)  # our server: no cache
         profiles[f"served AR, C = {c}"] = hs.summarise_profile(raw, wall_s=cell["wall_s"], rate=PROFILE_RATE)
     log(f"profile: {hs.write_profile(out, profiles)}")
 

@@ -74,11 +74,6 @@ def targets(result: dict) -> list[str]:
             ok = "met" if r["vs_inproc_ar_mean"] >= 0.9 else "MISSED"
             lines.append(f"served AR / in-process AR at C = {c}: {r['vs_inproc_ar_mean']:.2f} by mean of "
                          f"runs ({r['vs_inproc_ar_best']:.2f} best run), target ≥ 0.90: {ok}")  # fmt: skip
-    for c in (1, 8):
-        r, main = by.get(("ours", "ar", c)), by.get((INPROC, "ar-main", c))
-        if r and main:
-            lines.append(f"(served AR / in-process AR on the main thread, as `adaflash bench` runs it, at "
-                         f"C = {c}: {r['tps_mean'] / main['tps_mean']:.2f} by mean of runs)")  # fmt: skip
     ours, vllm = by.get(("ours", "ar", 8)), by.get(("vllm", "ar", 8))
     if ours and vllm:
         ratio = ours["tps_mean"] / vllm["tps_mean"]
@@ -99,9 +94,10 @@ def markdown(result: dict) -> str:
         f"niceness {spec['nice']}, one at a time; the client runs in the bench's process.",
         "Start-up (s): " + ", ".join(f"{k} {v['ready_s']:.0f}" for k, v in servers.items()),
         "",
-        "`in-process` is our engine without HTTP (the `adaflash bench` cell, run on a worker thread as "
-        "`serve`'s step loop is; `ar-main`: AR on the main thread, as `adaflash bench` runs it); `ours` is "
-        "`adaflash serve`. "
+        "`in-process` is our engine without HTTP (the `adaflash bench` cell, on the thread where our "
+        "server steps its engine); `ours` is `adaflash serve`"
+        + (f" with {spec['ours_env']}" if spec.get("ours_env") else "")
+        + ". "
         "Ratios: mean of runs, then the best run's. `= AR`: answers (first run) with the same token ids "
         "as our in-process AR; `= vLLM`: as vLLM plain's (vLLM rows).",
         "",

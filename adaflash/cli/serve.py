@@ -102,6 +102,14 @@ def serve(
     ] = False,
     suffix_max_tokens: Annotated[int, typer.Option(help="suffix cache cap, all tenants")] = 1_000_000,
     suffix_max_tokens_per_tenant: Annotated[int, typer.Option(help="suffix cache cap per tenant")] = 200_000,
+    step_loop: Annotated[
+        str,
+        typer.Option(
+            envvar="ADAFLASH_STEP_LOOP",
+            help="where the engine steps: thread (robust when other jobs share the cores) | main "
+            "(~1.5x AR at C = 1 on dedicated cores, ~0.4x beside a busy job; docs/deploy.md)",
+        ),
+    ] = "thread",
 ) -> None:
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions, /health, /metrics, admin reload.
 
@@ -112,6 +120,8 @@ def serve(
     from adaflash.serving.engine import EngineConfig
     from adaflash.serving.suffix_cache import SuffixCacheConfig
 
+    if step_loop not in launch.STEP_LOOPS:
+        raise InputError(f"--step-loop {step_loop!r}: choose {' or '.join(launch.STEP_LOOPS)}")
     tgt, bundle = load(target, drafter)
     if bundle is None and method not in ("ar", "ngram", "suffix"):
         raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar | ngram | suffix)")
@@ -133,7 +143,9 @@ def serve(
         ),
     )
     token = os.environ.get("ADAFLASH_ADMIN_TOKEN") or None
-    opts = launch.ServeOptions(host, port, model_name, bootstrap_servers, spool_dir, follow_registry, token)
+    opts = launch.ServeOptions(
+        host, port, model_name, bootstrap_servers, spool_dir, follow_registry, token, step_loop
+    )
     launch.serve(tgt, bundle, drafter, cfg, opts, log=err_console.print)
 
 

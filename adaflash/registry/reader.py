@@ -374,10 +374,13 @@ class RegistryReader:
         """
         version = self.resolve(ref)
         out = Path(dst) if dst is not None else self.download_dir / self.model_name / f"v{version}"
-        if self._downloaded(out, version):
+        mv = self._model_version(version)
+        # A version number is immutable only within one registry: the same model name's v1 on
+        # another MLflow server (or on this one after its store was reset) is another drafter, so a
+        # download is reused only if it came from this very version's source.
+        if self._downloaded(out, version, mv.source):
             return out
         with self._mlflow(f"download v{version}"):
-            mv = self._model_version(version)
             # Per-process scratch dir: two processes may fetch the same version at once.
             tmp = out.parent / f".{out.name}.download-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -402,21 +405,22 @@ class RegistryReader:
         meta["lineage"] = lineage
         (got / "adaflash.json").write_text(json.dumps(meta, indent=2))
         # Rename into place: a reader (the serving reloader) never sees a half-downloaded drafter.
-        if out.exists() and not self._downloaded(out, version):
-            shutil.rmtree(out)  # another version's or an incomplete copy
+        if out.exists() and not self._downloaded(out, version, mv.source):
+            shutil.rmtree(out)  # another version's, another registry's or an incomplete copy
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             got.rename(out)
         except OSError:
-            if not self._downloaded(out, version):  # not just a concurrent download of the same version
+            if not self._downloaded(out, version, mv.source):  # not a concurrent download of the same one
                 raise
         shutil.rmtree(tmp, ignore_errors=True)
         return out
 
     @staticmethod
-    def _downloaded(out: Path, version: str) -> bool:
+    def _downloaded(out: Path, version: str, source: str) -> bool:
         try:
-            meta = json.loads((out / "adaflash.json").read_text())
-            return meta["lineage"]["registry"]["version"] == version and (out / "model.safetensors").is_file()
+            got = json.loads((out / "adaflash.json").read_text())["lineage"]["registry"]
+            same = (got["version"], got["source"]) == (version, source)
+            return same and (out / "model.safetensors").is_file()
         except (OSError, json.JSONDecodeError, KeyError, TypeError):
             return False

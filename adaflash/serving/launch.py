@@ -36,6 +36,18 @@ class ServeOptions:
     spool_dir: Path = Path(".adaflash/spool")  # feedback spool while Kafka is unreachable
     follow_registry: str | None = None  # MLflow URL: serve its champion, reload on every change
     admin_token: str | None = None  # None: the admin API (POST /admin/drafter/reload) is disabled
+    step_loop: str = "thread"  # where the engine steps: see `STEP_LOOPS`
+
+
+# Where `serve` steps its engine. torch's OpenMP runtime (libgomp) counts the main thread as one of
+# its threads from the start, so a team started by any other thread makes more threads than cores
+# on a 2-core machine, and libgomp then throttles its spin-wait: each op's worker sleeps and is
+# woken. Measured on SmolLM2, AR, C = 1, 4 prompts x 64 tokens, 3 runs (benchmarks/http/README.md):
+# quiet, 30-31 tok/s stepping on a thread against 45-49 on the main thread; beside one busy
+# process, 30 on a thread against 11-13 on the main thread, whose spinning worker then fights the
+# other job for a core. So `thread` (the default) for machines shared with other jobs (this one's
+# demo and CI), `main` for dedicated cores.
+STEP_LOOPS = ("thread", "main")
 
 
 def exit_when_engine_dies(engine, log: Log) -> None:
@@ -46,10 +58,25 @@ def exit_when_engine_dies(engine, log: Log) -> None:
     def watch() -> None:
         engine._thread.join()
         if engine.failure is not None:
-            log(f"error: the engine's step loop stopped: {engine.failure!r}; exiting")
-            os._exit(70)  # EX_SOFTWARE
+            _exit_failed(engine, log)
 
     threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
+
+
+def _exit_failed(engine, log: Log) -> None:
+    log(f"error: the engine's step loop stopped: {engine.failure!r}; exiting")
+    os._exit(70)  # EX_SOFTWARE
+
+
+def step_in_foreground(engine, log: Log) -> None:
+    """Run the engine's step loop on this thread until `engine.request_stop()`; a loop that gave
+    up exits 70, as `exit_when_engine_dies` does for a loop on its own thread."""
+    try:
+        engine.run_here()
+    except BaseException:
+        if engine.failure is None:
+            raise
+        _exit_failed(engine, log)
 
 
 def _stop_on_sigterm(signum, frame) -> None:
@@ -95,34 +122,15 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
         ServerSettings(model_name=opts.model_name, admin_token=opts.admin_token),
         feedback=emitter.producer if emitter is not None else None,
     )
+    if opts.step_loop == "main":
+        return _serve_stepping_on_main(target, engine, emitter, app, engine_cfg, opts, log)
     engine.start()
     exit_when_engine_dies(engine, log)
-    feed = None
-    if opts.bootstrap_servers and engine_cfg.suffix.enabled:
-        from adaflash.serving.suffix_feed import CleanFeed
-
-        # The fast learner reads the governed stream (never raw traffic): see suffix_feed.py.
-        feed = CleanFeed(engine.suffix_cache, opts.bootstrap_servers, target.fingerprint)
-        app.state.suffix_feed = feed.start(wait=0)
+    feed = _start_suffix_feed(target, engine, app, engine_cfg, opts)
     follower = None
     if opts.follow_registry:
-        from adaflash.serving.champion_follower import ChampionFollower
-
-        if not opts.bootstrap_servers:
-            raise InputError(
-                "--follow-registry needs --bootstrap-servers (promotions arrive as Kafka events)"
-            )
-        follower = ChampionFollower(
-            app.state.reloader, opts.bootstrap_servers, opts.follow_registry, target.fingerprint
-        )
-        follower.start()  # subscribe first, so a promotion during the initial download is not missed
-        live = follower.load_champion()
-        log(f"following the champion at {opts.follow_registry}: " + (live or "none yet"))
-    log(
-        f"serving {target.name} ({engine_cfg.method}, drafter {engine.drafter_version}) on "
-        f"http://{opts.host}:{opts.port}"
-        + ("" if opts.admin_token else " — admin API disabled (set ADAFLASH_ADMIN_TOKEN)")
-    )
+        follower = _follow_registry(target, app, opts, log)
+    log(_serving_line(target, engine, engine_cfg, opts))
     try:
         run_until_stopped(app, opts.host, opts.port, app.state.settings.edge)
     finally:
@@ -133,6 +141,111 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
         engine.stop()
         if emitter is not None:
             emitter.close()
+
+
+def _start_suffix_feed(target, engine, app, engine_cfg, opts: ServeOptions):
+    if not (opts.bootstrap_servers and engine_cfg.suffix.enabled):
+        return None
+    from adaflash.serving.suffix_feed import CleanFeed
+
+    # The fast learner reads the governed stream (never raw traffic): see suffix_feed.py.
+    feed = CleanFeed(engine.suffix_cache, opts.bootstrap_servers, target.fingerprint)
+    app.state.suffix_feed = feed.start(wait=0)
+    return feed
+
+
+def _follow_registry(target, app, opts: ServeOptions, log: Log):
+    from adaflash.serving.champion_follower import ChampionFollower
+
+    if not opts.bootstrap_servers:
+        raise InputError("--follow-registry needs --bootstrap-servers (promotions arrive as Kafka events)")
+    follower = ChampionFollower(
+        app.state.reloader, opts.bootstrap_servers, opts.follow_registry, target.fingerprint
+    )
+    follower.start()  # subscribe first, so a promotion during the initial download is not missed
+    live = follower.load_champion()
+    log(f"following the champion at {opts.follow_registry}: " + (live or "none yet"))
+    return follower
+
+
+def _serving_line(target, engine, engine_cfg, opts: ServeOptions) -> str:
+    return (
+        f"serving {target.name} ({engine_cfg.method}, drafter {engine.drafter_version}) on "
+        f"http://{opts.host}:{opts.port}"
+        + ("" if opts.admin_token else " — admin API disabled (set ADAFLASH_ADMIN_TOKEN)")
+        + (", stepping on the main thread" if opts.step_loop == "main" else "")
+    )
+
+
+def _serve_stepping_on_main(target, engine, emitter, app, engine_cfg, opts: ServeOptions, log: Log) -> None:
+    """`serve --step-loop main`: HTTP on a thread of its own, the engine stepped here (`STEP_LOOPS`).
+    The champion's first load is staged before the loop runs and applied at its first step."""
+    feed = _start_suffix_feed(target, engine, app, engine_cfg, opts)
+    follower = None
+    http = HttpThread(app, opts.host, opts.port, app.state.settings.edge, engine)
+    try:
+        if opts.follow_registry:
+            follower = _follow_registry(target, app, opts, log)
+        http.start()
+        log(_serving_line(target, engine, engine_cfg, opts))
+        step_in_foreground(engine, log)
+        http.raise_if_failed()
+    finally:
+        http.stop()
+        if feed is not None:
+            feed.stop()
+        if follower is not None:
+            follower.stop()
+        engine.stop()
+        if emitter is not None:
+            emitter.close()
+
+
+class HttpThread:
+    """uvicorn on a thread of its own while the main thread steps the engine (`serve --step-loop main`).
+
+    SIGINT and SIGTERM (systemd, Kubernetes and `adaflash down` send SIGTERM) start uvicorn's
+    graceful shutdown: no new connections, in-flight answers finish (the step loop still runs
+    them), and only then is the step loop asked to end, so that `serve`'s cleanup (the feedback
+    flush) runs and the process exits 0. A second SIGINT forces uvicorn to stop at once."""
+
+    def __init__(self, app, host: str, port: int, limits, engine) -> None:
+        import uvicorn
+
+        from adaflash.serving.edge import uvicorn_config
+
+        self.where = f"{host}:{port}"
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, limits))
+        self.engine = engine
+        self.signalled = False
+        self._thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
+        self._previous: dict[int, object] = {}
+
+    def _run(self) -> None:
+        try:
+            self.server.run()  # off the main thread uvicorn installs no signal handlers
+        finally:
+            self.engine.request_stop()  # uvicorn has drained (or never started): end the step loop
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+        self.server.handle_exit(signum, frame)
+
+    def start(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._thread.start()
+
+    def raise_if_failed(self) -> None:
+        if not self.server.started and not self.signalled:
+            raise InputError(f"the HTTP server could not start on {self.where} (see the log above)")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(30)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def read_api_keys(path: Path) -> dict[str, str]:

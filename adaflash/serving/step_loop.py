@@ -78,13 +78,24 @@ class StepLoop:
                 log.exception("finish observer failed on request %s", r.request_id)
 
     def start(self) -> None:
+        """Run the step loop on a thread of its own (tests, the in-process bench, `ServerThread`)."""
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def run_here(self) -> None:
+        """Run the step loop on the calling thread until `request_stop` (`adaflash serve` runs it on
+        its main thread: see `serving.launch.serve` for why); re-raises what made it give up."""
+        self._thread = threading.current_thread()
+        self._loop()
+
+    def request_stop(self) -> None:
+        """Ask the loop to end after its current step (any thread; does not wait)."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.request_stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def _loop(self) -> None:
