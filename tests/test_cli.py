@@ -75,6 +75,13 @@ def test_bad_input_is_one_line_error(args, needle):
     assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
+def test_serve_refuses_an_unknown_step_loop_in_one_line_from_the_flag_or_the_env():
+    for args, env in ((["--step-loop", "bogus"], {}), ([], {"ADAFLASH_STEP_LOOP": "bogus"})):
+        argv = [sys.executable, "-m", "adaflash.cli", "serve", "--target", "tiny", *args]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+        assert r.returncode == 2 and r.stderr.strip() == "error: --step-loop 'bogus': choose thread or main"
+
+
 def test_corrupt_and_mismatched_checkpoints_are_one_line_errors(tmp_path, tiny_drafter):
     import shutil
 

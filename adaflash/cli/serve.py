@@ -62,6 +62,12 @@ def generate(
     console.print(" ".join(f"[bold]{k}[/]={v}" for k, v in stats.items()), style="dim")
 
 
+STEP_LOOP_HELP = (
+    "where the engine steps: thread (robust when other jobs share the cores) | main (faster on "
+    "dedicated cores, slower beside a busy job; docs/deploy.md)"
+)
+
+
 @app.command()
 def serve(
     target: TargetOpt = "smollm2",
@@ -102,14 +108,7 @@ def serve(
     ] = False,
     suffix_max_tokens: Annotated[int, typer.Option(help="suffix cache cap, all tenants")] = 1_000_000,
     suffix_max_tokens_per_tenant: Annotated[int, typer.Option(help="suffix cache cap per tenant")] = 200_000,
-    step_loop: Annotated[
-        str,
-        typer.Option(
-            envvar="ADAFLASH_STEP_LOOP",
-            help="where the engine steps: thread (robust when other jobs share the cores) | main "
-            "(~1.5x AR at C = 1 on dedicated cores, ~0.4x beside a busy job; docs/deploy.md)",
-        ),
-    ] = "thread",
+    step_loop: Annotated[str, typer.Option(envvar="ADAFLASH_STEP_LOOP", help=STEP_LOOP_HELP)] = "thread",
 ) -> None:
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions, /health, /metrics, admin reload.
 
@@ -120,8 +119,7 @@ def serve(
     from adaflash.serving.engine import EngineConfig
     from adaflash.serving.suffix_cache import SuffixCacheConfig
 
-    if step_loop not in launch.STEP_LOOPS:
-        raise InputError(f"--step-loop {step_loop!r}: choose {' or '.join(launch.STEP_LOOPS)}")
+    launch.check_step_loop(step_loop)  # before the target loads: a typo fails in a second
     tgt, bundle = load(target, drafter)
     if bundle is None and method not in ("ar", "ngram", "suffix"):
         raise InputError(f"method {method!r} needs --drafter DIR (or use --method ar | ngram | suffix)")

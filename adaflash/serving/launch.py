@@ -50,6 +50,11 @@ class ServeOptions:
 STEP_LOOPS = ("thread", "main")
 
 
+def check_step_loop(step_loop: str) -> None:
+    if step_loop not in STEP_LOOPS:
+        raise InputError(f"--step-loop {step_loop!r}: choose {' or '.join(STEP_LOOPS)}")
+
+
 def exit_when_engine_dies(engine, log: Log) -> None:
     """A step loop that gave up (repeated failed steps) cannot recover in-process: exit non-zero so
     the supervisor (`adaflash up`, systemd, Kubernetes) restarts the server instead of leaving a
@@ -109,6 +114,7 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
     from adaflash.serving.reload import drafter_version
     from adaflash.serving.server import ServerSettings, create_app
 
+    check_step_loop(opts.step_loop)
     engine = Engine(target, bundle, engine_cfg, drafter_version(bundle, drafter_dir) if bundle else None)
     emitter = None
     if opts.bootstrap_servers:
