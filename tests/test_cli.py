@@ -82,6 +82,25 @@ def test_serve_refuses_an_unknown_step_loop_in_one_line_from_the_flag_or_the_env
         assert r.returncode == 2 and r.stderr.strip() == "error: --step-loop 'bogus': choose thread or main"
 
 
+def test_serve_stepping_on_main_fails_when_its_port_is_taken():
+    """uvicorn runs on a thread there: its failure to bind must still end `serve` non-zero."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        serve = ["serve", "--target", "tiny", "--method", "ar", "--port", port, "--step-loop", "main"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        r = subprocess.run([sys.executable, "-m", "adaflash.cli", *serve], capture_output=True, text=True,
+                           timeout=120, env=env)  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == f"error: the HTTP server could not start on 127.0.0.1:{port} (see the log above)"
+    )
+
+
 def test_corrupt_and_mismatched_checkpoints_are_one_line_errors(tmp_path, tiny_drafter):
     import shutil
 
