@@ -44,6 +44,7 @@ PROFILE_RATE = 100  # py-spy samples per second
 
 
 Prompts = list[list[int]]  # token ids, one list per prompt
+WARM_PROMPTS = 2  # the first prompts warm each server up (untimed); no timed run sees them
 
 
 @dataclass
@@ -67,6 +68,10 @@ class HttpSpec:
 
     def n_prompts(self, c: int) -> int:
         return self.prompts_per_cell or max(2 * c, self.min_prompts)
+
+    def prompts_needed(self) -> int:
+        """Every (C, run) its own prompts, plus the warm-up ones (`prompt_plan`)."""
+        return WARM_PROMPTS + self.repeats * sum(map(self.n_prompts, self.concurrency))
 
 
 @dataclass
@@ -217,12 +222,9 @@ def block(spec: HttpSpec, methods: list[str], run) -> dict[str, list]:
     return runs
 
 
-WARM_PROMPTS = 2  # the first prompts warm each server up (untimed); no timed run sees them
-
-
 def prompt_plan(spec: HttpSpec, prompts: Prompts) -> tuple[Prompts, dict[int, list[Prompts]]]:
     """Split the prompts into the warm-up ones and `ids[C][rep]`: disjoint slices, one per (C, run)."""
-    need = WARM_PROMPTS + spec.repeats * sum(map(spec.n_prompts, spec.concurrency))
+    need = spec.prompts_needed()
     if len(prompts) < need:
         raise InputError(
             f"bench-http needs {need} distinct prompts ({spec.repeats} runs x C = {spec.concurrency}, "
@@ -247,7 +249,7 @@ def run_http_bench(target, bundle, drafter: Path | None, spec: HttpSpec, out: Pa
             data_dir=spec.data_dir and Path(spec.data_dir),
             max_prompt_tokens=spec.max_prompt_tokens,
         ),
-        WARM_PROMPTS + spec.repeats * sum(map(spec.n_prompts, spec.concurrency)),
+        spec.prompts_needed(),
     )
     prompts = rows[spec.domain]
     warm, ids = prompt_plan(spec, [p for _, p in prompts])

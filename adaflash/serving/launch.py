@@ -128,25 +128,7 @@ def serve(target, bundle, drafter_dir: Path | None, engine_cfg, opts: ServeOptio
         ServerSettings(model_name=opts.model_name, admin_token=opts.admin_token),
         feedback=emitter.producer if emitter is not None else None,
     )
-    if opts.step_loop == "main":
-        return _serve_stepping_on_main(target, engine, emitter, app, engine_cfg, opts, log)
-    engine.start()
-    exit_when_engine_dies(engine, log)
-    feed = _start_suffix_feed(target, engine, app, engine_cfg, opts)
-    follower = None
-    if opts.follow_registry:
-        follower = _follow_registry(target, app, opts, log)
-    log(_serving_line(target, engine, engine_cfg, opts))
-    try:
-        run_until_stopped(app, opts.host, opts.port, app.state.settings.edge)
-    finally:
-        if feed is not None:
-            feed.stop()
-        if follower is not None:
-            follower.stop()
-        engine.stop()
-        if emitter is not None:
-            emitter.close()
+    _serve_until_stopped(target, engine, emitter, app, engine_cfg, opts, log)
 
 
 def _start_suffix_feed(target, engine, app, engine_cfg, opts: ServeOptions):
@@ -183,21 +165,34 @@ def _serving_line(target, engine, engine_cfg, opts: ServeOptions) -> str:
     )
 
 
-def _serve_stepping_on_main(target, engine, emitter, app, engine_cfg, opts: ServeOptions, log: Log) -> None:
-    """`serve --step-loop main`: HTTP on a thread of its own, the engine stepped here (`STEP_LOOPS`).
-    The champion's first load is staged before the loop runs and applied at its first step."""
+def _serve_until_stopped(target, engine, emitter, app, engine_cfg, opts: ServeOptions, log: Log) -> None:
+    """Step the engine and serve HTTP until SIGINT or SIGTERM, then tear down in reverse order.
+    `--step-loop thread`: the engine on its own thread, uvicorn in the foreground; `main`: uvicorn
+    on a thread of its own and the engine stepped here (`STEP_LOOPS`), where the champion's first
+    load is staged before the loop runs and applied at its first step."""
+    http = (
+        HttpThread(app, opts.host, opts.port, app.state.settings.edge, engine)
+        if opts.step_loop == "main"
+        else None
+    )
+    if http is None:
+        engine.start()
+        exit_when_engine_dies(engine, log)
     feed = _start_suffix_feed(target, engine, app, engine_cfg, opts)
     follower = None
-    http = HttpThread(app, opts.host, opts.port, app.state.settings.edge, engine)
     try:
         if opts.follow_registry:
             follower = _follow_registry(target, app, opts, log)
-        http.start()
         log(_serving_line(target, engine, engine_cfg, opts))
-        step_in_foreground(engine, log)
-        http.raise_if_failed()
+        if http is None:
+            run_until_stopped(app, opts.host, opts.port, app.state.settings.edge)
+        else:
+            http.start()
+            step_in_foreground(engine, log)
+            http.raise_if_failed()
     finally:
-        http.stop()
+        if http is not None:
+            http.stop()
         if feed is not None:
             feed.stop()
         if follower is not None:

@@ -78,13 +78,14 @@ class StepLoop:
                 log.exception("finish observer failed on request %s", r.request_id)
 
     def start(self) -> None:
-        """Run the step loop on a thread of its own (tests, the in-process bench, `ServerThread`)."""
+        """Run the step loop on a thread of its own (`serve`'s default, tests, the in-process bench)."""
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
     def run_here(self) -> None:
-        """Run the step loop on the calling thread until `request_stop` (`adaflash serve` runs it on
-        its main thread: see `serving.launch.serve` for why); re-raises what made it give up."""
+        """Run the step loop on the calling thread until `request_stop` (`serve --step-loop main`
+        runs it on its main thread: `serving.launch.STEP_LOOPS` says why); re-raises what made it
+        give up."""
         self._thread = threading.current_thread()
         self._loop()
 
