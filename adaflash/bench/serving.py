@@ -45,7 +45,20 @@ from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
 from adaflash.workloads import DOMAINS, MESSAGE_SETS, interleave, load_prompts, message_prompts, message_set
 
-NOCACHE = "-nocache"  # a method name suffix: the same method with the suffix cache switched off
+# Method name suffixes: the same method with a fast learner switched off for its requests.
+NOCACHE = "-nocache"  # no drafts from the suffix cache
+NOPREFIX = "-noprefix"  # no reuse of cached prompt heads (prefill every prompt whole)
+
+
+def split_label(label: str) -> tuple[str, bool, bool]:
+    """A method label -> (engine method, suffix cache on, prefix cache on)."""
+    method, suffix, prefix = label, True, True
+    while method.endswith((NOCACHE, NOPREFIX)):
+        if method.endswith(NOCACHE):
+            method, suffix = method.removesuffix(NOCACHE), False
+        else:
+            method, prefix = method.removesuffix(NOPREFIX), False
+    return method, suffix, prefix
 
 
 @dataclass
@@ -116,13 +129,20 @@ def run_cell(
     concurrency: int,
     max_new: int,
     tenant: str = "bench",
+    prefix_state: dict | None = None,
 ) -> tuple[dict, list[list[int]]]:
-    label, method = method, method.removesuffix(NOCACHE)
+    """One timed closed-loop run. `prefix_state`: the prefix cache's contents to start from (a
+    `PrefixCache.snapshot`), so that no run reuses the heads an earlier run of the same prompts left."""
+    label = method
+    method, suffix_on, prefix_on = split_label(label)
     cache = engine.suffix_cache.config
-    enabled, cache.enabled = cache.enabled, cache.enabled and label == method
+    enabled, cache.enabled = cache.enabled, cache.enabled and suffix_on
+    if prefix_state is not None:
+        engine.prefix_cache.restore(prefix_state)
 
     def make(ids: list[int]) -> Request:
-        return Request(ids, GenParams(max_new, 0.0, method=method), tenant_id=tenant)
+        params = GenParams(max_new, 0.0, method=method)
+        return Request(ids, params, tenant_id=tenant, use_prefix_cache=prefix_on)
 
     try:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -184,13 +204,18 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
     longest = max(len(ids) for rows in every.values() for _, ids in rows)
     engine = bench_engine(target, bundle, spec, longest)  # packs its weights as it is built
     cells = []
-    warmups = {}
+    warmups, prefix = {}, {}
     for domain in spec.domains:
         if warm[domain]:
             warmups[domain] = warm_domain(engine, spec, domain, [ids for _, ids in warm[domain]], log)
+        # Every run of the domain starts from what the warm-up left in the prefix cache.
+        base = engine.prefix_cache.snapshot()
+        prefix[domain] = {
+            k: v for k, v in engine.prefix_cache.stats().items() if k in ("blocks", "tokens", "bytes")
+        }
         for conc in spec.concurrency:
             rows = [ids for _, ids in prompts[domain][: n_cell[conc]]]
-            cells += domain_cells(engine, spec, domain, conc, rows, log)
+            cells += domain_cells(engine, spec, domain, conc, rows, log, base)
     add_speedups(cells)
     result = {
         "spec": {
@@ -206,7 +231,11 @@ def run_bench(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, log
         "cells": cells,
         "peak_rss_mb_after_grid": peak_rss_mb(),
         "prompts": {d: [pid for pid, _ in rows] for d, rows in prompts.items()},
-        "warmup": {"prompts": {d: [pid for pid, _ in rows] for d, rows in warm.items()}, "governed": warmups},
+        "warmup": {
+            "prompts": {d: [pid for pid, _ in rows] for d, rows in warm.items()},
+            "governed": warmups,
+            "prefix_cache": prefix,  # what every timed run starts from
+        },
     }
     result.update(peer_rows(target, bundle, spec, prompts, n_cell, cells, log))
     return result
@@ -218,7 +247,7 @@ def bench_engine(target: Target, bundle: DrafterBundle | None, spec: BenchSpec, 
         target,
         bundle,
         EngineConfig(
-            method=spec.methods[-1].removesuffix(NOCACHE),
+            method=split_label(spec.methods[-1])[0],
             gamma=spec.gamma,
             max_running=max(spec.concurrency),
             max_queue=max(max(spec.concurrency), 8),
@@ -247,14 +276,16 @@ def warm_domain(engine: Engine, spec: BenchSpec, domain: str, rows: list[list[in
 
 
 def domain_cells(engine: Engine, spec: BenchSpec, domain: str, conc: int, rows: list[list[int]],
-                 log) -> list[dict]:  # fmt: skip
+                 log, prefix_state: dict | None = None) -> list[dict]:  # fmt: skip
     """One cell per method at concurrency `conc` on `rows`: `spec.repeats` runs each."""
     runs: dict[str, list[tuple[dict, list[list[int]]]]] = {m: [] for m in spec.methods}
     # Repeats alternate the method order (forward, reversed, ...) so that a drift of the
     # machine's speed does not favour whichever method runs first.
     for rep in range(spec.repeats):
         for method in spec.methods if rep % 2 == 0 else spec.methods[::-1]:
-            runs[method].append(run_cell(engine, rows, method, conc, spec.max_new_tokens, f"bench-{domain}"))
+            runs[method].append(
+                run_cell(engine, rows, method, conc, spec.max_new_tokens, f"bench-{domain}", prefix_state)
+            )
     cells = []
     for method in spec.methods:
         # The fastest run stands for the cell: on a shared machine noise only slows a run.

@@ -85,14 +85,16 @@ def _fast_learner_lines(result: dict) -> list[str]:
             "",
         ]
         lines += [
-            "| domain | served | clean | learned | quarantined | cache tokens |",
-            "|---|---|---|---|---|---|",
+            "| domain | served | clean | learned | quarantined | cache tokens | prefix cache: tokens (MB) |",
+            "|---|---|---|---|---|---|---|",
         ]
+        prefix = result["warmup"].get("prefix_cache", {})
         for d, w in warm.items():
             why = ", ".join(f"{k} {v}" for k, v in w["quarantined"].items()) or "–"
-            lines.append(
-                f"| {d} | {w['served']} | {w['clean']} | {w['learned']} | {why} | {w['cache_tokens']} |"
-            )
+            p = prefix.get(d)
+            held = f"{p['tokens']} ({p['bytes'] / 2**20:.0f})" if p else "–"
+            learned = f"{w['served']} | {w['clean']} | {w['learned']} | {why} | {w['cache_tokens']}"
+            lines.append(f"| {d} | {learned} | {held} |")
     rows = [c for c in result["cells"] if c.get("speedup_mean_vs_ar") is not None or c.get("proposers")]
     if rows:
         head = "| domain | C | method | speedup, mean of runs | best run | accepted: proposer (rounds) |"

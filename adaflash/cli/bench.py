@@ -17,6 +17,12 @@ app = typer.Typer()
 MODEL_FREE = ("ar", "ngram", "suffix")  # methods that run without a drafter
 
 
+METHODS_HELP = (
+    "comma-separated: ar, ngram, suffix, dflash, adaflash, adaflash-cost "
+    "(M-nocache: no suffix cache; M-noprefix: no prefix reuse)"
+)
+
+
 @app.command()
 def compare(
     target: TargetOpt = "smollm2",
@@ -39,9 +45,7 @@ def bench(
     drafter: Annotated[Path | None, typer.Option(help="drafter directory")] = None,
     methods: Annotated[
         str,
-        typer.Option(
-            help="comma-separated: ar, ngram, suffix, dflash, adaflash, adaflash-cost (M-nocache: cache off)"
-        ),
+        typer.Option(help=METHODS_HELP),
     ] = "ar,dflash,adaflash",
     concurrency: Annotated[str, typer.Option(help="comma-separated client counts")] = "1,8,32",
     domains: Annotated[
@@ -81,7 +85,7 @@ def bench(
     max_prompt_tokens: Annotated[int, typer.Option(help="leave out longer prompts")] = 1024,
 ) -> None:
     """Side-by-side serving benchmark: methods × concurrency × domains on one engine, one run."""
-    from adaflash.bench.serving import BenchSpec, run_bench
+    from adaflash.bench.serving import BenchSpec, run_bench, split_label
     from adaflash.bench.serving_report import write_outputs
 
     spec = BenchSpec(
@@ -103,7 +107,7 @@ def bench(
         warm=warm,
         max_prompt_tokens=max_prompt_tokens,
     )
-    if drafter is None and any(m.removesuffix("-nocache") not in MODEL_FREE for m in spec.methods):
+    if drafter is None and any(split_label(m)[0] not in MODEL_FREE for m in spec.methods):
         raise InputError("methods other than ar, ngram and suffix need --drafter DIR")
     tgt, bundle = load(target, drafter, dtype)
     result = run_bench(tgt, bundle, spec, log=log)

@@ -62,6 +62,18 @@ def generate(
     console.print(" ".join(f"[bold]{k}[/]={v}" for k, v in stats.items()), style="dim")
 
 
+SuffixCacheOpt = Annotated[
+    bool, typer.Option(help="learn from governed responses (adaflash.feedback.clean) for suffix drafts")
+]
+SuffixCrossOpt = Annotated[
+    bool, typer.Option(help="also one suffix index over all tenants (leaks timing across tenants)")
+]
+PrefixCacheOpt = Annotated[
+    bool, typer.Option(help="reuse the K/V of a tenant's earlier prompt heads (memory only; lossless)")
+]
+PrefixCrossOpt = Annotated[
+    bool, typer.Option(help="one prefix cache over all tenants (leaks timing across tenants)")
+]
 STEP_LOOP_HELP = (
     "where the engine steps: thread (robust when other jobs share the cores) | main (faster on "
     "dedicated cores, slower beside a busy job; docs/deploy.md)"
@@ -98,16 +110,13 @@ def serve(
             help="MLflow URL: serve its champion and hot-reload on promotions/rollbacks (needs Kafka)"
         ),
     ] = None,
-    suffix_cache: Annotated[
-        bool,
-        typer.Option(help="learn from governed responses (adaflash.feedback.clean) for suffix drafts"),
-    ] = True,
-    suffix_cross_tenant: Annotated[
-        bool,
-        typer.Option(help="also one suffix index over all tenants (leaks timing across tenants)"),
-    ] = False,
+    suffix_cache: SuffixCacheOpt = True,
+    suffix_cross_tenant: SuffixCrossOpt = False,
     suffix_max_tokens: Annotated[int, typer.Option(help="suffix cache cap, all tenants")] = 1_000_000,
     suffix_max_tokens_per_tenant: Annotated[int, typer.Option(help="suffix cache cap per tenant")] = 200_000,
+    prefix_cache: PrefixCacheOpt = True,
+    prefix_cache_mb: Annotated[float, typer.Option(help="prefix cache cap in MB, all tenants")] = 1024,
+    prefix_cross_tenant: PrefixCrossOpt = False,
     step_loop: Annotated[str, typer.Option(envvar="ADAFLASH_STEP_LOOP", help=STEP_LOOP_HELP)] = "thread",
 ) -> None:
     """OpenAI-compatible server: /v1/completions, /v1/chat/completions, /health, /metrics, admin reload.
@@ -117,6 +126,7 @@ def serve(
     """
     from adaflash.serving import launch
     from adaflash.serving.engine import EngineConfig
+    from adaflash.serving.prefix_cache import PrefixCacheConfig
     from adaflash.serving.suffix_cache import SuffixCacheConfig
 
     launch.check_step_loop(step_loop)  # before the target loads: a typo fails in a second
@@ -139,6 +149,7 @@ def serve(
             max_tokens=suffix_max_tokens,
             max_tokens_per_tenant=suffix_max_tokens_per_tenant,
         ),
+        prefix=PrefixCacheConfig(prefix_cache, max_mb=prefix_cache_mb, cross_tenant=prefix_cross_tenant),
     )
     token = os.environ.get("ADAFLASH_ADMIN_TOKEN") or None
     opts = launch.ServeOptions(

@@ -51,6 +51,7 @@ class Admin:
             "reloads": engine.reloads,
         }
         body["suffix_cache"] = suffix_health(engine, getattr(self.state, "suffix_feed", None))
+        body["prefix_cache"] = engine.prefix_cache.stats()
         if self.feedback is not None:
             body["feedback"] = fb = self.feedback.health()
             if ok and fb["degraded"]:  # still 200: serving works, and a restart would lose held records

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from adaflash.serving.prefix_cache import PrefixCacheConfig
 from adaflash.serving.suffix_cache import SuffixCacheConfig
 
 LOCKSTEP_MIN_PROB = 0.0
@@ -37,6 +38,9 @@ class EngineConfig:
     # The fast learner: per-tenant suffix indexes over governed responses (`suffix_cache.py`),
     # proposed from by `suffix` and `adaflash-cost`. Empty until a clean-topic feed fills it.
     suffix: SuffixCacheConfig = field(default_factory=SuffixCacheConfig)
+    # The other fast learner: per-tenant target K/V of earlier prompts' heads, reused by every
+    # method (`prefix_cache.py`); lossless, in memory only.
+    prefix: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from adaflash.serving import verifier
 from adaflash.serving.calibration import calibrate
 from adaflash.serving.config import EngineConfig, StepStats
 from adaflash.serving.policy import CostPolicy
+from adaflash.serving.prefix_cache import PrefixCache
 from adaflash.serving.proposer import ProposerConfig
 from adaflash.serving.proposer import clock as policy_clock
 from adaflash.serving.request import (
@@ -81,6 +82,7 @@ class Engine(StepLoop):
         )
         self.eos = set(target.tokenizer.eos_token_ids)
         self.suffix_cache = SuffixCache(c.suffix)
+        self.prefix_cache = PrefixCache(c.prefix)
         proposer = ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every, c.lockstep_min_prob)
         self.policy = CostPolicy(self.model, proposer, c.max_running, self.capacity, self.suffix_cache)
         self.policy.install(drafter, drafter_version)
@@ -187,12 +189,17 @@ class Engine(StepLoop):
         for r in admitted:
             r.status = Status.RUNNING
             self.policy.stamp(r)
-        stats.prefill_tokens = sum(len(r.prompt_ids) for r in admitted)
+        starts = self._reuse_prefixes(admitted)
+        stats.prefill_tokens = sum(len(r.prompt_ids) - s for r, s in zip(admitted, starts, strict=True))
         plan = self.policy.plan(decoding, stats.prefill_tokens, waiting=bool(self.scheduler.pending))
-        segments = [Segment(r.slot, 0, r.prompt_ids) for r in admitted]
+        segments = [Segment(r.slot, s, r.prompt_ids[s:]) for r, s in zip(admitted, starts, strict=True)]
         segments += [Segment(r.slot, r.kv_len, t) for r, t in zip(decoding, plan.verify_tokens, strict=True)]
         batch = PackedBatch.build(segments)
-        speculating = any(r.method in DRAFTER_METHODS for r in admitted + decoding)
+        # Prefills kept by the prefix cache capture features too (a copy of 5 layers' rows), so a
+        # drafter request can later reuse the head an `ar` request left.
+        speculating = any(r.method in DRAFTER_METHODS or r.use_prefix_cache for r in admitted) or any(
+            r.method in DRAFTER_METHODS for r in decoding
+        )
         capture = tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
         t_fwd = policy_clock()
         hidden, features = self.runner.forward(batch, capture)
@@ -214,6 +221,8 @@ class Engine(StepLoop):
             if r.method in DRAFTER_METHODS:  # every prompt token (ar requests need no context)
                 committed_rows.append(torch.arange(int(batch.cu[j]), int(batch.cu[j + 1])))
             r.kv_len = len(r.prompt_ids)
+            own = features[int(batch.cu[j]) : int(batch.cu[j + 1])] if features is not None else None
+            self._remember_prefix(r, starts[j], own, capture)
             self._emit(r, [tok], now, first_logits[j : j + 1])
             stats.emitted += 1
         if decoding:
@@ -251,6 +260,39 @@ class Engine(StepLoop):
         for obs in self.step_observers:
             obs(stats, self)
         return stats
+
+    # --- prefix reuse (`prefix_cache.py`) ---------------------------------------------------------
+
+    def _reuse_prefixes(self, admitted: list[Request]) -> list[int]:
+        """Copy each admitted request's longest cached prompt head into its slot; returns where
+        each prefill starts. A drafter request also gets the head's target features queued for
+        its drafter context, so the chain stops at a block cached without them."""
+        starts = []
+        for r in admitted:
+            chain: list = []
+            if r.use_prefix_cache and r.error is None:
+                drafting = r.method in DRAFTER_METHODS and self.bundle is not None
+                layers = tuple(self.bundle.config.target_layer_ids) if drafting else None
+                chain = self.prefix_cache.match(r.tenant_id, r.prompt_ids, layers)
+            n = self.prefix_cache.config.block_tokens * len(chain)
+            if chain:
+                ck, cv = self.runner.cache.k[:, r.slot], self.runner.cache.v[:, r.slot]
+                ck[:, :, :n] = torch.cat([b.k for b in chain], dim=2)
+                cv[:, :, :n] = torch.cat([b.v for b in chain], dim=2)
+                if layers is not None:
+                    slot_rows = torch.full((n,), r.slot, dtype=torch.long)
+                    self.policy.extend(torch.cat([b.features for b in chain]), slot_rows, torch.arange(n))
+            starts.append(n)
+        return starts
+
+    def _remember_prefix(self, r: Request, start: int, features: torch.Tensor | None,
+                         layers: tuple[int, ...]) -> None:  # fmt: skip
+        """After a prefill: its prompt's full blocks join the tenant's cache (a request without
+        feedback consent adds nothing), features included where the step captured them."""
+        if r.use_prefix_cache and r.consent:
+            cache = self.runner.cache
+            self.prefix_cache.insert(r.tenant_id, r.prompt_ids, cache.k[:, r.slot], cache.v[:, r.slot],
+                                     features, layers, start)  # fmt: skip
 
     # --- committing, hot reload ------------------------------------------------------------------
 

@@ -145,6 +145,7 @@ class ServingMetrics:
     def attach_suffix_cache(self) -> None:
         """Export the suffix cache's size and learning counts (read at scrape time)."""
         self.registry.register(_SuffixCollector(self.engine.suffix_cache))
+        self.registry.register(_PrefixCollector(self.engine.prefix_cache))
 
     def attach_feedback(self, producer) -> None:
         """Export a `FeedbackProducer`'s delivery counts and spool depth."""
@@ -187,6 +188,25 @@ class _SuffixCollector:
         for reason, n in st.skipped.items():
             learned.add_metric([f"skipped_{reason}"], n)
         yield learned
+
+
+class _PrefixCollector:
+    """The prefix cache: what it holds against its cap, and how much prefill it saved."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        st = self.cache.stats()
+        size = GaugeMetricFamily("adaflash_prefix_cache", "Prefix cache contents", labels=["what"])
+        for what in ("tenants", "blocks", "tokens", "bytes"):
+            size.add_metric([what], st[what])
+        size.add_metric(["max_bytes"], self.cache.config.max_mb * 2**20)
+        yield size
+        used = CounterMetricFamily("adaflash_prefix_cache_events", "Prefix cache lookups", labels=["what"])
+        for what in ("lookups", "hits", "reused_tokens", "evicted"):
+            used.add_metric([what], st[what])
+        yield used
 
 
 class _FeedbackCollector:

@@ -96,6 +96,7 @@ class Request:
     consent: bool = True
     domain: str | None = None
     use_suffix_cache: bool = True  # False: no drafts from the tenant's suffix cache (A/B, header)
+    use_prefix_cache: bool = True  # False: prefill the whole prompt, and keep none of it (A/B)
     sink: Sink | None = None
     # --- state, owned by the engine -------------------------------------------------------
     method: str = "ar"

@@ -16,7 +16,9 @@ own log-softmax at each returned token id (one entry per id, before temperature/
 Tenant: header `X-Tenant-Id`, else the OpenAI `user` field. Feedback consent: header
 `X-Feedback-Consent: false` opts the request out of training and out of the suffix cache (the
 record still flows, flagged, so governance can count and drop it). `X-Suffix-Cache: off`: the
-request does not draft from its tenant's suffix cache.
+request does not draft from its tenant's suffix cache. `X-Prefix-Cache: off`: the request neither
+reuses nor leaves its tenant's cached prompt heads (`prefix_cache.py`); a request without consent
+reuses them but leaves none.
 """
 
 from __future__ import annotations

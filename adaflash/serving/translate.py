@@ -182,4 +182,7 @@ def choice_request(p: Prepared, i: int, headers) -> Request:
         # `X-Suffix-Cache: off`: this request does not draft from its tenant's cache (an A/B of the
         # fast learner on live traffic; its own prompt and output still can).
         use_suffix_cache=not _off(headers, "x-suffix-cache", "on", ("0", "false", "no", "off")),
+        # `X-Prefix-Cache: off`: prefill the whole prompt and keep none of it (A/B, or a prompt a
+        # client wants held only while it is served).
+        use_prefix_cache=not _off(headers, "x-prefix-cache", "on", ("0", "false", "no", "off")),
     )
