@@ -19,13 +19,13 @@ def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_pa
     r0, r1 = result["rounds"]
     assert r0["prompts"] != r1["prompts"]  # every round serves new traffic
     for row in result["rounds"]:
-        assert set(row["methods"]) == {"ar", "dflash", "frozen-cost", "osd", "fkl", "adaflash"}
+        assert set(row["methods"]) == {"ar", "dflash", "frozen-cost", "suffix", "osd", "fkl", "adaflash"}
         for name, cell in row["methods"].items():
             assert cell["output_tokens"] > 0 and cell["c1"]["tps"] > 0
             if name != "ar":
                 assert cell["lossless"] == 1.0 and cell["c1"]["lossless"] == 1.0, (name, row["round"])
                 assert cell["tps_vs_ar"] > 0 and sum(p["rounds"] for p in cell["proposers"].values()) > 0
-            if name not in ("ar", "frozen-cost"):  # frozen-cost's drafter is dflash's
+            if name not in ("ar", "frozen-cost", "suffix"):  # frozen-cost's drafter is dflash's
                 assert 1.0 <= cell["tau_full"]
         # The length head's reliability bins hold every replayed round of its k̂ walk.
         for name in ("dflash", "adaflash"):
@@ -41,13 +41,20 @@ def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_pa
         assert json.loads((trained / "adaflash.json").read_text())["lineage"]["loss"] == loss
         assert "training" not in r1["methods"][name]  # nothing trains on the last round
     assert r1["methods"]["dflash"]["drafter"] == str(tmp_path / "boot")  # the fixed line stays fixed
+    # The fast learner: adaflash's clean records of round 0 are in its suffix cache for round 1
+    # (each request drafting from its own tenant's responses); no other learner keeps one.
+    assert r0["methods"]["adaflash"]["governance"]["suffix_cache_tokens"] > 0
+    assert "suffix_cache_tokens" not in r0["methods"]["osd"]["governance"]
+    assert "suffix" in r1["methods"]["suffix"]["proposers"]
 
     files = write_outputs(result, tmp_path / "out")
     names = ["results.json", "results.md", "online_adaptation.png", "length_head_reliability.png"]
     assert [f.name for f in files] == names
     md = (tmp_path / "out" / "results.md").read_text()
-    assert md.count("\n| ") == 9  # three tables (C = 8, acceptance, C = 1): header + one row per round
-    c1_rows = [ln for ln in md.split("**At C = 1**")[1].splitlines() if ln[:3] in ("| 0", "| 1")]
+    # four tables (C = 8, acceptance, C = 1, learning at C = 1): header + one row per round
+    assert md.count("\n| ") == 12 and "adaflash × frozen-cost" in md
+    c1_table = md.split("**At C = 1**")[1].split("**Learning")[0]
+    c1_rows = [ln for ln in c1_table.splitlines() if ln[:3] in ("| 0", "| 1")]
     for row, line in zip(result["rounds"], c1_rows, strict=True):
         c1 = {m: row["methods"][m]["c1"] for m in ("adaflash", "osd")}
         assert line.endswith(f"| {c1['adaflash']['tps'] / c1['osd']['tps']:.2f}× |")
@@ -65,3 +72,6 @@ def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_pa
         tmp_path / "work" / "adaflash" / "drafter-r1"
     )
     assert again["rounds"][1]["methods"]["adaflash"]["lossless"] == 1.0
+    # The resumed learner rebuilt its suffix cache from the same clean records: the suffix cell,
+    # deterministic, drafts exactly as before.
+    assert again["rounds"][1]["methods"]["suffix"]["proposers"] == r1["methods"]["suffix"]["proposers"]

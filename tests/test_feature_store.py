@@ -50,3 +50,22 @@ def test_vocab_cut_with_negatives():
     neg = cut.with_negatives(10, torch.Generator().manual_seed(0))
     assert neg.size == 14 and set(cut.ids.tolist()) <= set(neg.ids.tolist())
     assert (neg.index[neg.ids] == torch.arange(14)).all()
+
+
+def test_a_store_with_teacher_rows_serves_runs_that_want_fewer(tiny32, tmp_path):
+    responses = ensure_responses(tiny32, _prompts(6), tmp_path / "r.jsonl", 16, batch_size=3)
+    wide = build_store(tiny32, responses, LAYERS, topk=8, response_set="g", root=tmp_path)
+    seen = []
+    plain = build_store(tiny32, responses, LAYERS, topk=0, response_set="g", root=tmp_path,
+                        on_start=lambda n, size: seen.append(n))  # fmt: skip
+    assert seen == [] and plain.path == wide.path and plain[0].topk_ids is None  # no second pass
+    four = build_store(tiny32, responses, LAYERS, topk=4, response_set="g", root=tmp_path)
+    for i in range(len(wide)):
+        a, b = wide[i], four[i]
+        assert torch.equal(a.features, b.features) and torch.equal(a.tokens, plain[i].tokens)
+        assert b.topk_ids.shape[1] == 4 and torch.equal(a.topk_ids[:, :4], b.topk_ids)
+        assert torch.equal(a.topk_logp[:, :4], b.topk_logp)
+    # A store that lacks a response is not a cover: the narrower store is built for real.
+    more = ensure_responses(tiny32, _prompts(8), tmp_path / "r.jsonl", 16, batch_size=3)
+    grown = build_store(tiny32, more, LAYERS, topk=0, response_set="g", root=tmp_path)
+    assert grown.path != wide.path and len(grown) == 8

@@ -286,6 +286,38 @@ def test_end_to_end_conservation_pii_and_trainability(
             assert 0 <= rd.start and rd.start + rd.accepted + 1 <= len(r.output_token_ids)
             assert rd.accepted <= rd.verify_len - 1
     assert n_scrubbed > 500
+    _fast_learner_holds_its_caps_and_no_pii(clean_msgs, canaries, tok)
+
+
+def _fast_learner_holds_its_caps_and_no_pii(clean_msgs, canaries, tok) -> None:
+    """The suffix cache fed by this clean topic (as `serve`'s feed is, record by record): within
+    its caps in tokens and in memory measured by tracemalloc, and none of the planted PII in the
+    responses it holds, read back and decoded."""
+    import tracemalloc
+
+    from adaflash.serving.suffix_cache import BYTES_PER_TOKEN, SuffixCache, SuffixCacheConfig
+    from adaflash.serving.suffix_feed import CleanFeed
+
+    total = sum(len(c.record.output_token_ids) for c in clean_msgs)
+    cfg = SuffixCacheConfig(max_tokens=total // 3, max_tokens_per_tenant=total // 8)
+    tracemalloc.start()
+    try:
+        cache = SuffixCache(cfg)
+        feed = CleanFeed(cache, "", None)
+        for i, c in enumerate(clean_msgs):
+            feed.apply(c.model_dump_json().encode(), f"{topics.CLEAN}/0", i)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    st = cache.stats()
+    assert st.evicted > 0 and st.added > st.evicted  # the caps were reached, and it kept learning
+    per_tenant = {t: sum(map(len, cache.contents(t))) for t in cache.tenants()}
+    assert st.tokens == sum(per_tenant.values()) <= cfg.max_tokens
+    assert max(per_tenant.values()) <= cfg.max_tokens_per_tenant
+    assert st.bytes == st.tokens * BYTES_PER_TOKEN and held <= 1.5 * cfg.max_tokens * BYTES_PER_TOKEN, held
+    texts = "\n".join(tok.decode(ids) for t in cache.tenants() for ids in cache.contents(t))
+    leaks = [v for _, v in canaries if v in texts]
+    assert not leaks, f"{len(leaks)} planted values in the suffix cache, e.g. {leaks[:3]}"
 
 
 def test_lineage_cli_answers_for_records_shards_tenants(tmp_path, vocab, scrubber, base_prompts):

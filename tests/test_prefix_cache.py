@@ -214,3 +214,20 @@ def test_the_server_reuses_a_tenants_head_and_reports_it(tiny):
     assert health["hits"] == 1 and health["tenants"] == 1 and health["bytes"] > 0
     assert 'adaflash_prefix_cache{what="blocks"}' in metrics
     assert 'adaflash_prefix_cache_events_total{what="hits"} 1.0' in metrics
+
+
+def test_a_reused_heads_features_wait_for_a_draft_without_counting(bundle):
+    """Features queued from cache blocks are held by the cache anyway: they do not count toward
+    the drafter context's flush bound (a request that never drafts never projects its head),
+    and when they are projected the context is the same as from counted rows."""
+    from adaflash.serving.runner import DrafterSlots
+
+    width = bundle.drafter.fc.weight.shape[1]
+    feats, slot_rows, positions = torch.randn(40, width), torch.full((40,), 1), torch.arange(40)
+    shared, counted = (DrafterSlots(bundle.drafter, 2, 64, flush_bytes=1) for _ in range(2))
+    shared.extend(feats, slot_rows, positions, shared=True)
+    counted.extend(feats, slot_rows, positions)
+    assert shared.queued_rows == 40 and counted.queued_rows == 0  # the counted rows flushed at once
+    shared.flush()
+    for a, b in zip(shared.k + shared.v, counted.k + counted.v, strict=True):
+        assert torch.equal(a, b)

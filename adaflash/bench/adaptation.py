@@ -46,10 +46,11 @@ from adaflash.feedback import topics
 from adaflash.feedback.schema import CleanRecord, FeedbackRecord
 from adaflash.models.checkpoint import DrafterBundle, load_drafter_for
 from adaflash.models.targets import Target, Vocabulary
-from adaflash.workloads import Prompt, load_prompts
+from adaflash.workloads import MESSAGE_SETS, Prompt, load_prompts, message_set
 
 if TYPE_CHECKING:
     from adaflash.governance.governor import Governor
+    from adaflash.serving.suffix_cache import SuffixCache
 
 # name -> (loss, serve method)
 LEARNERS = {"osd": ("osd", "dflash"), "fkl": ("fkl", "dflash"), "adaflash": ("opd", "adaflash-cost")}
@@ -76,24 +77,34 @@ class AdaptationSpec:
     # same policy on the same drafter measures 0.82-1.31x of itself across rounds.
     c1_prompts: int = 8
     frozen_cost: bool = True  # serve the frozen drafter with the cost-aware policy too
+    # The fast learner beside the slow one: the adaflash learner also keeps a suffix cache fed by
+    # its governed clean records (per tenant, as `serve` does), and a `suffix` cell serves from
+    # that cache alone; frozen-cost keeps none.
+    suffix: bool = True
 
 
 def shifted_prompts(spec: AdaptationSpec) -> list[Prompt]:
-    held = load_prompts("heldout", spec.data_dir)
-    pool = [p for ps in held.values() for p in ps if p.id.startswith(spec.source + "/")]
+    """The shifted traffic: held-out prompts of a source (`humaneval`), or a production-like set
+    (`tools`, `sql`, `edit`, `multiturn`) in its fixed shuffle."""
+    if spec.source in MESSAGE_SETS:
+        pool = message_set(spec.source, spec.data_dir)
+    else:
+        held = load_prompts("heldout", spec.data_dir)
+        pool = [p for ps in held.values() for p in ps if p.id.startswith(spec.source + "/")]
     need = spec.rounds * spec.per_round
     if len(pool) < need:
         raise ValueError(f"{spec.source}: {len(pool)} held-out prompts, the run needs {need}")
     return pool[:need]
 
 
-def _engine(target: Target, bundle: DrafterBundle | None, concurrency: int, max_model_len: int):
+def _engine(target: Target, bundle: DrafterBundle | None, concurrency: int, max_model_len: int,
+            suffix_cache: SuffixCache | None = None):  # fmt: skip
     from adaflash.serving.engine import Engine, EngineConfig
 
     cfg = EngineConfig(
         method="ar", max_running=concurrency, max_model_len=max_model_len, step_token_budget=4096
     )
-    return Engine(target, bundle, cfg, drafter_version="experiment")
+    return Engine(target, bundle, cfg, drafter_version="experiment", suffix_cache=suffix_cache)
 
 
 def serve_records(
@@ -105,23 +116,26 @@ def serve_records(
     max_new_tokens: int,
     tenants: list[str],
     domain: str,
+    suffix_cache: SuffixCache | None = None,
 ) -> tuple[dict, list[list[int]], list[FeedbackRecord]]:
-    """Serve `ids` greedily on the engine (`concurrency` clients) and build each finished
-    request's feedback record as serving emits it: (cell metrics, outputs, records), prompt order."""
+    """Serve `ids` greedily on the engine (`concurrency` clients; prompt i from tenant i mod
+    len(tenants)) and build each finished request's feedback record as serving emits it: (cell
+    metrics, outputs, records), prompt order. `suffix_cache`: a learner's, kept across rounds."""
     from adaflash.bench.serving import run_cell
     from adaflash.serving.feedback_emitter import build_record
 
-    engine = _engine(target, bundle, concurrency, max(len(x) for x in ids) + max_new_tokens + 64)
+    room = max(len(x) for x in ids) + max_new_tokens + 64
+    engine = _engine(target, bundle, concurrency, room, suffix_cache)
     done = []
     engine.observers.append(done.append)
-    cell, outputs = run_cell(engine, ids, method, concurrency, max_new_tokens)
+    who = [tenants[i % len(tenants)] for i in range(len(ids))]
+    cell, outputs = run_cell(engine, ids, method, concurrency, max_new_tokens, who)
     by_prompt = {tuple(r.prompt_ids): r for r in done}
     records = []
-    for i, x in enumerate(ids):
+    for x in ids:
         req = by_prompt[tuple(x)]
         # run_cell submits bare token ids; the record needs what a client request would carry.
         req.prompt_text = target.tokenizer.decode(x)
-        req.tenant_id = tenants[i % len(tenants)]
         req.domain = domain
         records.append(build_record(engine, req))
     cell.pop("rounds")
@@ -129,7 +143,8 @@ def serve_records(
     by: dict[str, list[int]] = {}
     for rd in (rd for r in done for rd in r.rounds):
         by.setdefault(rd.proposer, []).append(rd.accepted + 1)
-    cell["proposers"] = {k: {"rounds": len(v), "tau": sum(v) / len(v)} for k, v in sorted(by.items())}
+    cell["proposers"] = {k: {"rounds": len(v), "accepted": sum(v) - len(v), "tau": sum(v) / len(v)}
+                         for k, v in sorted(by.items())}  # fmt: skip
     return cell, outputs, records
 
 
@@ -188,9 +203,8 @@ def full_block_tau(target: Target, bundle: DrafterBundle, passes: list, starts: 
 class _Loop:
     """One learner's closed loop: its own governance dir, buffer, lineage and drafter lineage."""
 
-    def __init__(
-        self, name: str, target: Target, bootstrap: Path, work: Path, scrubber, saved: dict | None = None
-    ) -> None:
+    def __init__(self, name: str, target: Target, bootstrap: Path, work: Path, scrubber,
+                 saved: dict | None = None, fast: bool = False) -> None:  # fmt: skip
         from adaflash.governance.governor import GovernanceConfig, Governor
 
         self.name, self.target = name, target
@@ -206,6 +220,22 @@ class _Loop:
         self.offset = saved["offset"]
         # Every earlier round's clean records (the replay pool); scrubbed, like the buffer.
         self.history: list[CleanRecord] = [CleanRecord.model_validate(h) for h in saved["history"]]
+        # `fast`: the learner's suffix cache, fed by its clean records as `serve`'s feed does; a
+        # resumed run rebuilds it from the same records (as a restarted server replays the topic).
+        self.suffix: SuffixCache | None = None
+        if fast:
+            from adaflash.serving.suffix_cache import SuffixCache
+
+            self.suffix = SuffixCache()
+            self._learn(self.history)
+
+    def _learn(self, clean: list[CleanRecord]) -> None:
+        from adaflash.serving.suffix_feed import CleanFeed
+
+        if self.suffix is not None:
+            feed = CleanFeed(self.suffix, "", self.target.fingerprint)
+            for c in clean:
+                feed.apply(c.model_dump_json().encode(), f"{topics.CLEAN}/{self.name}", c.provenance.offset)
 
     def state(self) -> dict:
         return {"dir": str(self.dir), "offset": self.offset,
@@ -214,6 +244,9 @@ class _Loop:
     def govern(self, records) -> dict:
         self.clean, summary = govern_records(self.gov, records, self.offset)
         self.offset += len(records)
+        self._learn(self.clean)  # the fast learner: in the cache before the next round is served
+        if self.suffix is not None:
+            summary["suffix_cache_tokens"] = self.suffix.stats().tokens
         return summary
 
     def train(self, round_no: int, spec: AdaptationSpec) -> dict:
@@ -244,22 +277,23 @@ class _Loop:
 
 def _cells(
     target: Target,
-    cells: list[tuple[str, DrafterBundle | None, str]],
+    cells: list[tuple[str, DrafterBundle | None, str, SuffixCache | None]],
     ids: list[list[int]],
     concurrency: int,
     max_new: int,
     tenants: list[str],
+    domain: str,
 ) -> tuple[dict[str, dict], dict[str, list[FeedbackRecord]], list[list[int]]]:
     """Serve `ids` with each (name, bundle, method) cell, bracketed by AR before and after (the
     TPS reference is their mean: a slow spell on this shared machine favours no one). Adds
     `tps_vs_ar` and `lossless` (share of outputs equal to AR's) to every cell: (cells by name,
     feedback records by name, AR's outputs)."""
-    serve = (ids, concurrency, max_new, tenants, "code")
+    serve = (ids, concurrency, max_new, tenants, domain)
     ar, ref, _ = serve_records(target, None, "ar", *serve)
     out: dict[str, dict] = {}
     records: dict[str, list[FeedbackRecord]] = {}
-    for name, bundle, method in cells:
-        cell, outs, records[name] = serve_records(target, bundle, method, *serve)
+    for name, bundle, method, cache in cells:
+        cell, outs, records[name] = serve_records(target, bundle, method, *serve, cache)
         cell["lossless"] = sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref)
         out[name] = cell
     ar2, _, _ = serve_records(target, None, "ar", *serve)
@@ -271,6 +305,7 @@ def _cells(
 
 
 def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: Path, log=print) -> dict:
+    from adaflash.bench.serving import prompt_ids
     from adaflash.governance.pii import PiiScrubber
 
     prompts = shifted_prompts(spec)
@@ -287,24 +322,30 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
     if rows:
         log(f"resuming after round {len(rows) - 1} ({state_path})")
     loops = [
-        _Loop(n, target, bootstrap, work, scrubber, state["loops"][n] if state else None)
+        _Loop(
+            n,
+            target,
+            bootstrap,
+            work,
+            scrubber,
+            state["loops"][n] if state else None,
+            fast=spec.suffix and n == "adaflash",
+        )  # fmt: skip
         for n in spec.learners
     ]
+    domain = spec.source if spec.source in MESSAGE_SETS else "code"
     tenants = [f"tenant-{i}" for i in range(spec.tenants)]
     for r in range(len(rows), spec.rounds):
         batch = prompts[r * spec.per_round : (r + 1) * spec.per_round]
-        ids = [target.tokenizer.chat_prompt(p.text) for p in batch]
+        ids = [prompt_ids(target, p) for p in batch]  # bench.serving's encoding
         row: dict = {"round": r, "prompts": [p.id for p in batch]}
         t0 = time.perf_counter()
-        cells = [("dflash", fixed, "dflash")]
-        if spec.frozen_cost:
-            cells.append(("frozen-cost", fixed, LEARNERS["adaflash"][1]))
-        cells += [(lp.name, lp.bundle, lp.method) for lp in loops]
+        cells = _round_cells(fixed, loops, spec)
         row["methods"], records, ref = _cells(
-            target, cells, ids, spec.concurrency, spec.max_new_tokens, tenants
+            target, cells, ids, spec.concurrency, spec.max_new_tokens, tenants, domain
         )
         if spec.c1_prompts:
-            c1, _, _ = _cells(target, cells, ids[: spec.c1_prompts], 1, spec.max_new_tokens, tenants)
+            c1, _, _ = _cells(target, cells, ids[: spec.c1_prompts], 1, spec.max_new_tokens, tenants, domain)
             for name, cell in c1.items():
                 keep = ("tps", "tps_vs_ar", "tau", "lossless", "proposers")
                 row["methods"][name]["c1"] = {k: cell[k] for k in keep if k in cell}
@@ -333,6 +374,16 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
                  "loops": {lp.name: lp.state() for lp in loops}}  # fmt: skip
         state_path.write_text(json.dumps(state))
     return {"spec": spec_json, "target": target.name, "bootstrap": str(bootstrap), "rounds": rows}
+
+
+def _round_cells(fixed: DrafterBundle, loops: list[_Loop], spec: AdaptationSpec) -> list[tuple]:
+    """What one round serves besides AR: (name, drafter, method, suffix cache)."""
+    cells: list[tuple] = [("dflash", fixed, "dflash", None)]
+    if spec.frozen_cost:  # the frozen drafter, the policy, no suffix cache: no learning at all
+        cells.append(("frozen-cost", fixed, LEARNERS["adaflash"][1], None))
+    cells += [(lp.name, lp.bundle, lp.method, lp.suffix) for lp in loops]
+    cells += [("suffix", None, "suffix", lp.suffix) for lp in loops if lp.suffix is not None]  # fast alone
+    return cells
 
 
 def _round_line(row: dict) -> str:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 # The methods in the order the tables and plots list them (those the run served).
-METHOD_ORDER = ("ar", "dflash", "frozen-cost", "osd", "fkl", "adaflash")
+METHOD_ORDER = ("ar", "dflash", "frozen-cost", "suffix", "osd", "fkl", "adaflash")
 
 
 def _methods(result: dict) -> list[str]:
@@ -64,8 +64,43 @@ def markdown(result: dict) -> str:
         mae = f"{ada['head_mae']:.3f}" if ada.get("head_mae") is not None else "–"
         lines.append(f"| {row['round']} | " + " | ".join(tau) + f" | {khat} | {mae} |")
     if c1:
-        lines += ["", *_c1_table(result, drafted)]
+        lines += ["", *_c1_table(result, drafted), *_learning_lines(result)]
     return "\n".join(lines) + "\n"
+
+
+def _learning_lines(result: dict) -> list[str]:
+    """Does learning buy speed: adaflash against frozen-cost at C = 1 per round, the median over
+    rounds 3-9, and how adaflash's accepted drafts split between the fast learner (suffix cache)
+    and the slow one (drafter), prompt lookup aside."""
+    rows = [r for r in result["rounds"] if {"adaflash", "frozen-cost"} <= set(r["methods"])]
+    if not rows or "c1" not in rows[0]["methods"]["adaflash"]:
+        return []
+    lines = [
+        "",
+        "**Learning at C = 1**: adaflash (suffix cache + retrained drafter + policy) × frozen-cost (no "
+        "suffix cache, frozen drafter, same policy); adaflash's accepted drafts by proposer (rounds)",
+        "",
+        "| round | adaflash × frozen-cost | accepted: suffix | drafter | ngram | plain rounds |",
+        "|---|---|---|---|---|---|",
+    ]
+    ratios = {}
+    for r in rows:
+        a, f = r["methods"]["adaflash"]["c1"], r["methods"]["frozen-cost"]["c1"]
+        ratios[r["round"]] = a["tps"] / f["tps"]
+        p = a.get("proposers", {})
+        acc = [
+            f"{p[k]['accepted']} ({p[k]['rounds']})" if k in p else "–"
+            for k in ("suffix", "drafter", "ngram")
+        ]
+        plain = p.get("none", {}).get("rounds", 0)
+        lines.append(f"| {r['round']} | {ratios[r['round']]:.2f}× | " + " | ".join(acc) + f" | {plain} |")
+    late = sorted(v for k, v in ratios.items() if 3 <= k <= 9)
+    if late:
+        mid = len(late) // 2
+        median = late[mid] if len(late) % 2 else (late[mid - 1] + late[mid]) / 2
+        what = "Median of adaflash × frozen-cost at C = 1 over rounds 3-9"
+        lines += ["", f"{what}: **{median:.2f}×** ({len(late)} rounds)."]
+    return lines
 
 
 def _c1_table(result: dict, drafted: list[str]) -> list[str]:
@@ -90,7 +125,14 @@ def _c1_table(result: dict, drafted: list[str]) -> list[str]:
     return lines
 
 
-_STYLE = {"dflash": "k--", "frozen-cost": "C7-.", "osd": "C0-o", "fkl": "C2-^", "adaflash": "C3-s"}
+_STYLE = {
+    "dflash": "k--",
+    "frozen-cost": "C7-.",
+    "suffix": "C1-v",
+    "osd": "C0-o",
+    "fkl": "C2-^",
+    "adaflash": "C3-s",
+}
 
 
 def plots(result: dict, out: Path) -> list[Path]:

@@ -43,7 +43,15 @@ from adaflash.models.targets import Target
 from adaflash.serving.config import LOCKSTEP_MIN_PROB
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
-from adaflash.workloads import DOMAINS, MESSAGE_SETS, interleave, load_prompts, message_prompts, message_set
+from adaflash.workloads import (
+    DOMAINS,
+    MESSAGE_SETS,
+    Prompt,
+    interleave,
+    load_prompts,
+    message_prompts,
+    message_set,
+)
 
 # Method name suffixes: the same method with a fast learner switched off for its requests.
 NOCACHE = "-nocache"  # no drafts from the suffix cache
@@ -93,7 +101,6 @@ def workload(target: Target, spec: BenchSpec, n: int) -> dict[str, list[tuple[st
     """Per domain, `spec.warm` warm-up prompts then `n` timed ones: held-out prompts for math /
     code / chat / blend (the last ones: bootstrap evaluation uses the first), the sets' fixed
     shuffle for the production-like domains, the file's order for `--prompts`."""
-    tok = target.tokenizer
     held = load_prompts("heldout", spec.data_dir) if set(spec.domains) & {*DOMAINS, "blend"} else {}
     out = {}
     for d in spec.domains:
@@ -109,11 +116,7 @@ def workload(target: Target, spec: BenchSpec, n: int) -> dict[str, list[tuple[st
             raise ValueError(f"unknown domain {d!r}")
         ids = []
         for p in rows:
-            if p.messages:
-                msgs = [ChatMessage(role=m["role"], content=m["content"]) for m in p.messages]
-                x = chat_prompt_ids(tok, msgs)
-            else:
-                x = tok.chat_prompt(p.text)
+            x = prompt_ids(target, p)
             if len(x) <= spec.max_prompt_tokens:
                 ids.append((p.id, x))
             if len(ids) >= spec.warm + n:
@@ -122,17 +125,27 @@ def workload(target: Target, spec: BenchSpec, n: int) -> dict[str, list[tuple[st
     return out
 
 
+def prompt_ids(target: Target, p: Prompt) -> list[int]:
+    """A prompt's chat-templated token ids (its `messages` where it has them)."""
+    if p.messages:
+        msgs = [ChatMessage(role=m["role"], content=m["content"]) for m in p.messages]
+        return chat_prompt_ids(target.tokenizer, msgs)
+    return target.tokenizer.chat_prompt(p.text)
+
+
 def run_cell(
     engine: Engine,
     prompts: list[list[int]],
     method: str,
     concurrency: int,
     max_new: int,
-    tenant: str = "bench",
+    tenant: str | list[str] = "bench",
     prefix_state: dict | None = None,
 ) -> tuple[dict, list[list[int]]]:
-    """One timed closed-loop run. `prefix_state`: the prefix cache's contents to start from (a
-    `PrefixCache.snapshot`), so that no run reuses the heads an earlier run of the same prompts left."""
+    """One timed closed-loop run. `tenant`: every request's, or one per prompt. `prefix_state`:
+    the prefix cache's contents to start from (a `PrefixCache.snapshot`), so that no run reuses
+    the heads an earlier run of the same prompts left."""
+    tenants = iter([tenant] * len(prompts) if isinstance(tenant, str) else tenant)  # closed_loop keeps order
     label = method
     method, suffix_on, prefix_on = split_label(label)
     cache = engine.suffix_cache.config
@@ -142,7 +155,7 @@ def run_cell(
 
     def make(ids: list[int]) -> Request:
         params = GenParams(max_new, 0.0, method=method)
-        return Request(ids, params, tenant_id=tenant, use_prefix_cache=prefix_on)
+        return Request(ids, params, tenant_id=next(tenants), use_prefix_cache=prefix_on)
 
     try:
         t0, cpu0 = time.perf_counter(), time.process_time()

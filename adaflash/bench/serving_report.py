@@ -193,9 +193,12 @@ def targets(result: dict) -> list[str]:
         )
     for (d, conc, m), c in sorted(get.items()):
         if m == "adaflash-cost" and (ar := get.get((d, conc, "ar"))):
-            ok = c["tps"] >= 0.97 * ar["tps"]
-            ratio = c["tps"] / ar["tps"]
-            out.append(f"adaflash-cost ≥ 0.97× AR, {d} C={conc}: {ratio:.2f}× — {'met' if ok else 'MISSED'}")
+            # Judged by the mean of runs (a bar met only by the best run is not met).
+            mean = c.get("tps_mean", c["tps"]) / ar.get("tps_mean", ar["tps"])
+            best = c["tps"] / ar["tps"]
+            verdict = "met" if mean >= 0.97 else "MISSED"
+            out.append(f"adaflash-cost ≥ 0.97× AR, {d} C={conc}: {mean:.2f}× by the mean of runs "
+                       f"({best:.2f}× best run) — {verdict}")  # fmt: skip
     return out
 
 

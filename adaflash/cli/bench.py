@@ -148,7 +148,10 @@ def adapt(
     epochs: Annotated[int, typer.Option(help="online training epochs per round")] = 2,
     lr: Annotated[float, typer.Option()] = 3e-4,
     learners: Annotated[str, typer.Option(help="comma list of osd, fkl, adaflash")] = "osd,fkl,adaflash",
-    source: Annotated[str, typer.Option(help="held-out prompt-id prefix of the new domain")] = "humaneval",
+    source: Annotated[
+        str,
+        typer.Option(help="the new domain: a held-out prompt-id prefix, or tools | sql | edit | multiturn"),
+    ] = "humaneval",
     replay_records: Annotated[
         int, typer.Option(help="earlier rounds' records replayed per round, capped per tenant (0: new only)")
     ] = 8,
@@ -157,6 +160,9 @@ def adapt(
     ] = 8,
     frozen_cost: Annotated[
         bool, typer.Option(help="also serve the frozen drafter with adaflash's cost-aware policy")
+    ] = True,
+    suffix: Annotated[
+        bool, typer.Option(help="the adaflash learner also keeps a governed suffix cache; a suffix-only cell")
     ] = True,
     out: Annotated[Path, typer.Option(help="JSON + markdown + plot")] = Path("benchmarks/online"),
     work: Annotated[Path, typer.Option(help="per-learner governance dirs and drafters")] = Path(
@@ -174,7 +180,7 @@ def adapt(
         raise InputError(f"unknown learner(s) {', '.join(bad)}: choose from {', '.join(LEARNERS)}")
     spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source,
                           replay_records=replay_records, c1_prompts=c1_prompts,
-                          frozen_cost=frozen_cost)  # fmt: skip
+                          frozen_cost=frozen_cost, suffix=suffix)  # fmt: skip
     tgt, _ = load(target, None)
     result = run_adaptation(tgt, drafter, spec, work, log=log)
     result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])

@@ -74,9 +74,10 @@ class DrafterProposer:
             self._head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
             self._head.weight = torch.nn.Parameter(rows.contiguous(), requires_grad=False)
 
-    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor,
+               shared: bool = False) -> None:  # fmt: skip
         if self.dslots is not None:
-            self.dslots.extend(features, slot_rows, positions)
+            self.dslots.extend(features, slot_rows, positions, shared)
 
     def rebuild(self, live: list[Request], runner: PackedRunner) -> None:
         """A new drafter's context cache for in-flight requests, from their committed tokens'

@@ -68,7 +68,10 @@ class Engine(StepLoop):
         drafter: DrafterBundle | None = None,
         config: EngineConfig | None = None,
         drafter_version: str | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
+        """`suffix_cache`: one that outlives this engine (the shift experiment's learner keeps
+        its cache across rounds and engines); default a new one from `config.suffix`."""
         self.target = target
         self.config = c = config or EngineConfig()
         if c.method not in METHODS:
@@ -81,7 +84,7 @@ class Engine(StepLoop):
             self.capacity,
         )
         self.eos = set(target.tokenizer.eos_token_ids)
-        self.suffix_cache = SuffixCache(c.suffix)
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache(c.suffix)
         self.prefix_cache = PrefixCache(c.prefix)
         proposer = ProposerConfig(c.gamma, c.shadow_a_hat, c.probe_every, c.lockstep_min_prob)
         self.policy = CostPolicy(self.model, proposer, c.max_running, self.capacity, self.suffix_cache)
@@ -195,12 +198,7 @@ class Engine(StepLoop):
         segments = [Segment(r.slot, s, r.prompt_ids[s:]) for r, s in zip(admitted, starts, strict=True)]
         segments += [Segment(r.slot, r.kv_len, t) for r, t in zip(decoding, plan.verify_tokens, strict=True)]
         batch = PackedBatch.build(segments)
-        # Prefills kept by the prefix cache capture features too (a copy of 5 layers' rows), so a
-        # drafter request can later reuse the head an `ar` request left.
-        speculating = any(r.method in DRAFTER_METHODS or r.use_prefix_cache for r in admitted) or any(
-            r.method in DRAFTER_METHODS for r in decoding
-        )
-        capture = tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
+        capture = self._capture_layers(admitted, decoding)
         t_fwd = policy_clock()
         hidden, features = self.runner.forward(batch, capture)
         n_pre = len(admitted)
@@ -261,6 +259,15 @@ class Engine(StepLoop):
             obs(stats, self)
         return stats
 
+    def _capture_layers(self, admitted: list[Request], decoding: list[Request]) -> tuple[int, ...]:
+        """The target layers whose rows this step keeps: the drafter's, when a request drafts.
+        Prefills kept by the prefix cache capture them too (a copy of 5 layers' rows), so a
+        drafter request can later reuse the head an `ar` request left."""
+        speculating = any(r.method in DRAFTER_METHODS or r.use_prefix_cache for r in admitted) or any(
+            r.method in DRAFTER_METHODS for r in decoding
+        )
+        return tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
+
     # --- prefix reuse (`prefix_cache.py`) ---------------------------------------------------------
 
     def _reuse_prefixes(self, admitted: list[Request]) -> list[int]:
@@ -279,9 +286,12 @@ class Engine(StepLoop):
                 ck, cv = self.runner.cache.k[:, r.slot], self.runner.cache.v[:, r.slot]
                 ck[:, :, :n] = torch.cat([b.k for b in chain], dim=2)
                 cv[:, :, :n] = torch.cat([b.v for b in chain], dim=2)
-                if layers is not None:
-                    slot_rows = torch.full((n,), r.slot, dtype=torch.long)
-                    self.policy.extend(torch.cat([b.features for b in chain]), slot_rows, torch.arange(n))
+                if layers is not None:  # the blocks' own tensors, queued without a copy
+                    bt = self.prefix_cache.config.block_tokens
+                    slot_rows = torch.full((bt,), r.slot, dtype=torch.long)
+                    for i, blk in enumerate(chain):
+                        rows = torch.arange(i * bt, (i + 1) * bt)
+                        self.policy.extend(blk.features, slot_rows, rows, shared=True)
             starts.append(n)
         return starts
 

@@ -132,8 +132,9 @@ class CostPolicy:
         for name in self.lookups:
             self.stats[name] = AcceptanceStats(k - 1, prior=0.6, prior_weight=4)
 
-    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
-        self.drafter.extend(features, slot_rows, positions)
+    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor,
+               shared: bool = False) -> None:  # fmt: skip
+        self.drafter.extend(features, slot_rows, positions, shared)
 
     def rebuild(self, live: list[Request], runner: PackedRunner) -> None:
         self.drafter.rebuild(live, runner)

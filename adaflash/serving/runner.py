@@ -274,17 +274,21 @@ class DrafterSlots:
         shape = (slots, c.num_kv_heads, capacity, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)]
-        # slot -> its committed rows not yet projected, oldest first: (features [m, n*H], positions [m])
-        self._queued: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # slot -> its committed rows not yet projected, oldest first: (features [m, n*H], positions
+        # [m], the bytes they count against `flush_bytes`)
+        self._queued: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._queued_bytes = 0
 
     @property
     def queued_rows(self) -> int:
-        return sum(p.numel() for q in self._queued.values() for _, p in q)
+        return sum(p.numel() for q in self._queued.values() for _, p, _ in q)
 
-    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor,
+               shared: bool = False) -> None:  # fmt: skip
         """Queue committed rows' target features [M, n*H] under their slots (rows of one slot are
-        contiguous: the engine commits them request by request)."""
+        contiguous: the engine commits them request by request). `shared`: the tensor is held
+        elsewhere anyway (a prefix-cache block), so it does not count toward `flush_bytes`: a
+        request that reuses a long head and never drafts never pays for projecting it."""
         n = features.shape[0]
         if n == 0:
             return
@@ -294,14 +298,15 @@ class DrafterSlots:
             slot = int(slot_rows[a])
             if int(positions[a]) == 0:  # a new occupant's prefill: the slot's old queue is stale
                 self._drop(slot)
-            self._queued.setdefault(slot, []).append((features[a:b], positions[a:b]))
-            self._queued_bytes += (b - a) * features.shape[1] * features.element_size()
+            nbytes = 0 if shared else (b - a) * features.shape[1] * features.element_size()
+            self._queued.setdefault(slot, []).append((features[a:b], positions[a:b], nbytes))
+            self._queued_bytes += nbytes
         if self._queued_bytes >= self.flush_bytes:
             self.flush()
 
     def _drop(self, slot: int) -> None:
-        for f, _ in self._queued.pop(slot, []):
-            self._queued_bytes -= f.numel() * f.element_size()
+        for _, _, nbytes in self._queued.pop(slot, []):
+            self._queued_bytes -= nbytes
 
     @torch.no_grad()
     def flush(self, slots: list[int] | None = None) -> None:
@@ -311,7 +316,7 @@ class DrafterSlots:
         keys = list(self._queued) if slots is None else [s for s in dict.fromkeys(slots) if s in self._queued]
         if not keys:
             return
-        parts = [(f, p, s) for s in keys for f, p in self._queued[s]]
+        parts = [(f, p, s) for s in keys for f, p, _ in self._queued[s]]
         for s in keys:
             self._drop(s)
         features = torch.cat([f for f, _, _ in parts])

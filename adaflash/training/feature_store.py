@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +113,14 @@ def estimate_bytes(responses: Sequence[Response], feature_dim: int, topk: int) -
 class FeatureStore:
     """Read side: `store[i]` gives a sequence's tokens and features (memory-mapped)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, topk: int | None = None) -> None:
+        """`topk`: read fewer teacher rows than stored (0: none), so that one store built with
+        top-k logits also serves the runs that train without them."""
         self.path = Path(path)
         meta = json.loads((self.path / "store.json").read_text())
         self.key = StoreKey(**{**meta["key"], "layer_ids": tuple(meta["key"]["layer_ids"])})
+        if topk is not None and topk < self.key.topk:
+            self.key = replace(self.key, topk=topk)
         self.entries = [SeqEntry(**e) for e in meta["entries"]]
         self.feature_dim = int(meta["feature_dim"])
         self._maps: dict[tuple[int, str], np.ndarray] = {}
@@ -149,8 +153,9 @@ class FeatureStore:
             e.prompt_len,
         )
         if self.key.topk:
-            seq.topk_ids = torch.from_numpy(self._array(e.shard, "topk_ids")[rows].astype(np.int64))
-            seq.topk_logp = torch.from_numpy(self._array(e.shard, "topk_logp")[rows].astype(np.float32))
+            k = self.key.topk  # columns are sorted by logit, so the first k are the top-k
+            seq.topk_ids = torch.from_numpy(self._array(e.shard, "topk_ids")[rows, :k].astype(np.int64))
+            seq.topk_logp = torch.from_numpy(self._array(e.shard, "topk_logp")[rows, :k].astype(np.float32))
         return seq
 
 
@@ -273,6 +278,8 @@ def build_store(
     if not 0 <= topk <= 32:
         raise ValueError("topk must be in 0..32 (the store never holds full-vocabulary rows)")
     key = StoreKey(target.fingerprint, tuple(layer_ids), response_set, topk)
+    if (wider := _covering_store(root, key, responses)) is not None:
+        return _in_order(FeatureStore(wider, topk=topk), responses)
     path = _store_path(root, key)
     feature_dim = len(layer_ids) * target.config.hidden_size
     entries = FeatureStore(path).entries if (path / "store.json").exists() else []
@@ -325,7 +332,24 @@ def build_store(
         _commit_shard(path, key, feature_dim, group, arrays)
     if not (path / "store.json").exists():
         _write_meta(path, key, [], feature_dim)
-    store = FeatureStore(path)
+    return _in_order(FeatureStore(path), responses)
+
+
+def _covering_store(root: Path | None, key: StoreKey, responses: Sequence[Response]) -> Path | None:
+    """A store of the same sequences with more teacher rows per token than `key` asks for that
+    already holds every response: reading a prefix of its columns beats a second target pass."""
+    parent = (root or store_root()) / key.target_fingerprint[:16]
+    want = {(r.id, _digest(r.tokens)) for r in responses}
+    for k in range(32, key.topk, -1):
+        path = parent / replace(key, topk=k).dirname
+        if (path / "store.json").exists():
+            held = {(e.id, e.digest) for e in FeatureStore(path).entries}
+            if want <= held:
+                return path
+    return None
+
+
+def _in_order(store: FeatureStore, responses: Sequence[Response]) -> FeatureStore:
     # Keep the caller's order (sequence i of the store = response i) for reproducible epochs.
     order = {r.id: n for n, r in enumerate(responses)}
     store.entries = sorted((e for e in store.entries if e.id in order), key=lambda e: order[e.id])
