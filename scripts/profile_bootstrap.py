@@ -39,8 +39,8 @@ from adaflash.workloads import interleave, load_prompts
 
 VARIANTS = {
     "default": {},  # the checkout's own recipe: compares commits (today's step before issue 34)
-    "sequential": {"batch_step": False},
-    "batched": {"batch_step": True},
+    "sequential": {"batch_step": False, "bf16": False},
+    "batched": {"batch_step": True, "bf16": False},
     "batched+bf16": {"batch_step": True, "bf16": True},
     "sequential+bf16": {"batch_step": False, "bf16": True},
 }

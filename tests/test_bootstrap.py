@@ -10,6 +10,7 @@ import torch
 from adaflash.errors import AdaFlashError
 from adaflash.kernels.loss_reference import clipped_reverse_kl, forward_kl, hard_ce
 from adaflash.models.checkpoint import load_drafter
+from adaflash.models.targets import native_bf16
 from adaflash.training.bootstrap import STATE, BootstrapConfig, BootstrapTrainer
 from adaflash.training.losses import drafter_loss
 
@@ -35,6 +36,8 @@ def test_bootstrap_trains_writes_metrics_and_resumes(tmp_path, tiny32, monkeypat
     m1 = BootstrapTrainer(tiny32, out, cfg, progress=lambda k, i: events.append(k)).run()
     assert {"generate", "features_start", "train_start", "step", "head", "evaluate"} <= set(events)
     metrics = json.loads((out / "bootstrap_metrics.json").read_text())
+    # bf16 by default where the CPU has it natively; the metrics say which step ran.
+    assert metrics["config"]["bf16"] is native_bf16("cpu")
     assert set(metrics["heldout"]) == {"math", "code", "chat", "all"}
     for row in metrics["heldout"].values():
         assert row["dflash_tau"] >= 1.0 and 1.0 <= row["adaflash_mean_verify_len"] <= 8

@@ -34,7 +34,13 @@ def bootstrap(
     seqs_per_step: Annotated[int, typer.Option(help="sequences per optimiser step")] = 8,
     kl_weight: Annotated[float, typer.Option(help="> 0: CE + top-k forward KL (teacher top-32)")] = 0.0,
     position_decay: Annotated[float, typer.Option(help="weight exp(-(i-1)/γ) of draft position i")] = 4.0,
-    bf16: Annotated[bool, typer.Option(help="bf16 autocast for training steps")] = False,
+    bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--bf16/--no-bf16",
+            help="bf16 autocast in training steps [default: if the device has native bf16]",
+        ),
+    ] = None,
     init_from_target: Annotated[bool, typer.Option(help="start from the target's top layers")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="response length cap of the training data")] = 256,
     max_train_prompts: Annotated[int | None, typer.Option(help="use only the first N train prompts")] = None,

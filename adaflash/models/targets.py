@@ -225,6 +225,19 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether `device` runs bf16 matmuls natively: a GPU that supports them, or a CPU with the
+    AVX-512 BF16 / AMX BF16 instructions (elsewhere bf16 autocast is emulated, and slower than fp32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
 def load_target(spec: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Target:
     if spec == "tiny":
         target = tiny_target(dtype)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from adaflash.models.checkpoint import DrafterMeta, load_drafter, save_drafter
 from adaflash.models.drafter import Drafter
 from adaflash.models.factory import new_drafter
 from adaflash.models.length_head import LengthHead, acceptance_label
-from adaflash.models.targets import Target
+from adaflash.models.targets import Target, native_bf16
 from adaflash.reporting import plot_tau_vs_budget
 from adaflash.training import model_card
 from adaflash.training.blocks import SequencePass, block_hidden
@@ -76,7 +76,9 @@ class BootstrapConfig:
     # One padded drafter forward/backward over the step's sequences (False: one per sequence,
     # the same objective and gradients up to float rounding, ~2x the CPU time).
     batch_step: bool = True
-    bf16: bool = False
+    # bf16 autocast in the training step; None: where the device runs bf16 matmuls natively. At
+    # equal CPU minutes it beat fp32 on every held-out domain (BENCHMARKS.md, issue 34's options).
+    bf16: bool | None = None
     max_new_tokens: int = 256
     eval_per_domain: int = 40
     curve_per_domain: int = 12
@@ -130,12 +132,15 @@ class BootstrapTrainer:
         data_dir: Path | None = None,
         progress: Progress = _silent,
     ) -> None:
-        self.target, self.out, self.cfg, self.data_dir = target, Path(out_dir), cfg, data_dir
+        self.target, self.out, self.data_dir = target, Path(out_dir), data_dir
         self.progress = progress
         torch.manual_seed(cfg.seed)
         # Everything trains where the target sits (the CPU here, a GPU on a cluster); the feature
         # store and the data order stay on the host, each step moves only what it samples.
         self.device = target.model.embed_tokens.weight.device
+        if cfg.bf16 is None:  # resolved here, so the metrics and the model card say what ran
+            cfg = replace(cfg, bf16=native_bf16(self.device))
+        self.cfg = cfg
         drafter, head = self._init_models()
         self.drafter, self.head = drafter.to(self.device), head.to(self.device)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
