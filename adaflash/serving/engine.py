@@ -261,12 +261,16 @@ class Engine(StepLoop):
 
     def _capture_layers(self, admitted: list[Request], decoding: list[Request]) -> tuple[int, ...]:
         """The target layers whose rows this step keeps: the drafter's, when a request drafts.
-        Prefills kept by the prefix cache capture them too (a copy of 5 layers' rows), so a
-        drafter request can later reuse the head an `ar` request left."""
-        speculating = any(r.method in DRAFTER_METHODS or r.use_prefix_cache for r in admitted) or any(
-            r.method in DRAFTER_METHODS for r in decoding
-        )
-        return tuple(self.bundle.config.target_layer_ids) if self.bundle and speculating else ()
+        Prefills the prefix cache will keep (`_remember_prefix`) capture them too (a copy of 5
+        layers' rows), so a drafter request can later reuse the head an `ar` request left."""
+        kept = any(r.use_prefix_cache and r.consent for r in admitted)
+        speculating = kept or any(r.method in DRAFTER_METHODS for r in admitted + decoding)
+        return self._drafter_layers if speculating else ()
+
+    @property
+    def _drafter_layers(self) -> tuple[int, ...]:
+        """The target layers the installed drafter reads (none without a drafter)."""
+        return tuple(self.bundle.config.target_layer_ids) if self.bundle else ()
 
     # --- prefix reuse (`prefix_cache.py`) ---------------------------------------------------------
 
@@ -278,16 +282,15 @@ class Engine(StepLoop):
         for r in admitted:
             chain: list = []
             if r.use_prefix_cache and r.error is None:
-                drafting = r.method in DRAFTER_METHODS and self.bundle is not None
-                layers = tuple(self.bundle.config.target_layer_ids) if drafting else None
+                layers = (self._drafter_layers or None) if r.method in DRAFTER_METHODS else None
                 chain = self.prefix_cache.match(r.tenant_id, r.prompt_ids, layers)
-            n = self.prefix_cache.config.block_tokens * len(chain)
+            bt = self.prefix_cache.config.block_tokens
+            n = bt * len(chain)
             if chain:
                 ck, cv = self.runner.cache.k[:, r.slot], self.runner.cache.v[:, r.slot]
                 ck[:, :, :n] = torch.cat([b.k for b in chain], dim=2)
                 cv[:, :, :n] = torch.cat([b.v for b in chain], dim=2)
                 if layers is not None:  # the blocks' own tensors, queued without a copy
-                    bt = self.prefix_cache.config.block_tokens
                     slot_rows = torch.full((bt,), r.slot, dtype=torch.long)
                     for i, blk in enumerate(chain):
                         rows = torch.arange(i * bt, (i + 1) * bt)

@@ -191,20 +191,29 @@ class PrefixCache:
     def snapshot(self) -> dict:
         """The cache's contents, for `restore` (the bench times every run from the same state)."""
         with self._lock:
-            blocks = {bid: copy.copy(blk) for bid, blk in self._blocks.items()}
-            for blk in blocks.values():
-                blk.children = set(blk.children)
-            return {"blocks": blocks, "ids": dict(self._ids), "lru": OrderedDict(self._lru),
-                    "bytes": dict(self._bytes), "next": self._next}  # fmt: skip
+            return {
+                "blocks": _copy_blocks(self._blocks),
+                "ids": dict(self._ids),
+                "lru": OrderedDict(self._lru),
+                "bytes": dict(self._bytes),
+                "next": self._next,
+            }
 
     def restore(self, snap: dict) -> None:
         with self._lock:
-            self._blocks = {bid: copy.copy(blk) for bid, blk in snap["blocks"].items()}
-            for blk in self._blocks.values():
-                blk.children = set(blk.children)
+            self._blocks = _copy_blocks(snap["blocks"])
             self._ids, self._lru = dict(snap["ids"]), OrderedDict(snap["lru"])
             self._bytes, self._next = dict(snap["bytes"]), snap["next"]
 
     def clear(self) -> None:
         with self._lock:
             self._reset()
+
+
+def _copy_blocks(blocks: dict[int, Block]) -> dict[int, Block]:
+    """Blocks whose trie links can change without touching `blocks` (the tensors are shared:
+    nothing writes into a cached block)."""
+    out = {bid: copy.copy(blk) for bid, blk in blocks.items()}
+    for blk in out.values():
+        blk.children = set(blk.children)
+    return out
