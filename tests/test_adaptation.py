@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from adaflash.bench.adaptation import AdaptationSpec, run_adaptation
 from adaflash.bench.adaptation_report import write_outputs
 from adaflash.models.checkpoint import save_drafter
@@ -35,10 +37,20 @@ def test_adaptation_rounds_are_lossless_governed_and_retrain_the_learners(tmp_pa
     for name, loss in (("osd", "osd"), ("fkl", "fkl"), ("adaflash", "opd")):
         gov = r0["methods"][name]["governance"]
         assert gov["in"] == 4 and gov["clean"] + gov["quarantined"] == 4 and gov["clean"] >= 1
-        assert r0["methods"][name]["training"]["records"] == gov["clean"]
+        # The round's last clean records are held out of its training: the retrained drafter's
+        # release evidence, measured on them and stamped into its checkpoint for the next round.
+        held = min(spec.holdout, gov["clean"] - 1)
+        assert r0["methods"][name]["training"]["records"] == gov["clean"] - held
         trained = tmp_path / "work" / name / "drafter-r1"
         assert r1["methods"][name]["drafter"] == str(trained)
-        assert json.loads((trained / "adaflash.json").read_text())["lineage"]["loss"] == loss
+        meta = json.loads((trained / "adaflash.json").read_text())
+        assert meta["lineage"]["loss"] == loss
+        evidence = r0["methods"][name]["evidence"]
+        if held:
+            assert evidence["records"] == held and evidence["rounds"] == meta["acceptance"]["rounds"] > 0
+            assert 1.0 + sum(meta["acceptance"]["survival"]) == pytest.approx(evidence["tau_full"], abs=1e-3)
+        else:
+            assert evidence is None and meta.get("acceptance") is None
         assert "training" not in r1["methods"][name]  # nothing trains on the last round
     assert r1["methods"]["dflash"]["drafter"] == str(tmp_path / "boot")  # the fixed line stays fixed
     # The fast learner: adaflash's clean records of round 0 are in its suffix cache for round 1

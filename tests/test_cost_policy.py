@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaflash.serving.costs import AcceptanceStats, Candidate, CostCurve, StepCosts, TargetCost, choose
+from adaflash.serving.acceptance import AcceptanceStats
+from adaflash.serving.costs import Candidate, CostCurve, StepCosts, TargetCost, choose
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.policy import EXPLORE_EVERY
 from tests.conftest import ar_reference, make_bundle

@@ -81,6 +81,11 @@ class AdaptationSpec:
     # its governed clean records (per tenant, as `serve` does), and a `suffix` cell serves from
     # that cache alone; frozen-cost keeps none.
     suffix: bool = True
+    # Each round's last clean records held out of that round's training, as the pipeline's gate
+    # holds records out: the retrained drafter's full-block acceptance on them is its release
+    # evidence (`models/evidence.py`), what the policy serving it next round starts from. They
+    # join the replay pool, so later rounds train on them.
+    holdout: int = 2
 
 
 def shifted_prompts(spec: AdaptationSpec) -> list[Prompt]:
@@ -197,6 +202,8 @@ def full_block_tau(target: Target, bundle: DrafterBundle, passes: list, starts: 
         "head_mae": rep.get("length_head_mae"),
         "reliability": rep.get("length_head_reliability"),
         "accept_rate_by_position": rep["accept_rate_by_position"][:4],
+        "survival": rep["accept_rate_by_position"],
+        "rounds": rep["dflash_rounds"],
     }
 
 
@@ -259,12 +266,17 @@ class _Loop:
         new_ids = {c.record.record_id for c in self.clean}
         replayed = replay_sample(self.history, window, seed=round_no, exclude=new_ids)
         self.history += self.clean
+        # Held out of this round's training (kept in the replay pool): the release evidence's records.
+        n_held = min(spec.holdout, max(len(self.clean) - 1, 0))
+        fresh = self.clean[: len(self.clean) - n_held]
+        self.held_ids = {c.record.record_id for c in self.clean[len(fresh) :]}
         cfg = OnlineConfig(loss=self.loss, epochs=spec.epochs, lr=spec.lr)
         lineage = {"version": f"{self.name}-r{round_no + 1}", "round": round_no,
-                   "train_record_ids": sorted(new_ids | {c.record.record_id for c in replayed}),
+                   "train_record_ids": sorted((new_ids - self.held_ids) | {c.record.record_id
+                                                                          for c in replayed}),
                    "replay_record_ids": [c.record.record_id for c in replayed]}  # fmt: skip
         trainer = OnlineTrainer(self.target, self.bundle, out, cfg)
-        metrics = trainer.train(self.clean + replayed, lineage=lineage, replayed=lineage["replay_record_ids"])
+        metrics = trainer.train(fresh + replayed, lineage=lineage, replayed=lineage["replay_record_ids"])
         self.dir = out
         self.bundle = load_drafter_for(out, self.target)
         return {
@@ -273,6 +285,25 @@ class _Loop:
             "replayed": len(replayed),
             "train_tau": [round(e["train_tau"], 4) for e in metrics["epochs"]],
         }
+
+    def attest(self, records: list[FeedbackRecord], passes: list, starts: list[int]) -> dict | None:
+        """The retrained drafter's release evidence, measured as the pipeline's shadow gate does:
+        full-block acceptance on the round's held-out records (governed, not trained on), replayed
+        on their AR continuations (`passes`, in the order of `records`); stamped into its checkpoint
+        so the policy serving it next round starts from it, not from a generic prior."""
+        from adaflash.models.checkpoint import stamp_evidence
+        from adaflash.models.evidence import AcceptanceEvidence
+
+        idx = [i for i, rec in enumerate(records) if rec.record_id in self.held_ids]
+        if not idx:
+            return None
+        rep = full_block_tau(self.target, self.bundle, [passes[i] for i in idx], [starts[i] for i in idx])
+        ev = AcceptanceEvidence.from_positions(
+            rep["survival"], rep["rounds"], f"{len(idx)} held-out records of the round that trained it"
+        )
+        stamp_evidence(self.dir, ev)
+        self.bundle = load_drafter_for(self.dir, self.target)
+        return {"records": len(idx), "rounds": ev.rounds, "tau_full": round(ev.tau, 4)}
 
 
 def _cells(
@@ -363,6 +394,7 @@ def run_adaptation(target: Target, bootstrap: Path, spec: AdaptationSpec, work: 
                 gov = lp.govern(records[lp.name])
                 row["methods"][lp.name]["governance"] = gov
                 row["methods"][lp.name]["training"] = lp.train(r, spec)
+                row["methods"][lp.name]["evidence"] = lp.attest(records[lp.name], passes, starts)
                 log(
                     f"  {lp.name}: governed {gov['clean']}/{gov['in']} clean, "
                     f"trained {row['methods'][lp.name]['training']}"

@@ -78,12 +78,17 @@ def _learning_lines(result: dict) -> list[str]:
     lines = [
         "",
         "**Learning at C = 1**: adaflash (suffix cache + retrained drafter + policy) × frozen-cost (no "
-        "suffix cache, frozen drafter, same policy); adaflash's accepted drafts by proposer (rounds)",
+        "suffix cache, frozen drafter, same policy); adaflash's accepted drafts by proposer (rounds); "
+        "the release evidence its drafter was served with (τ_full on the previous round's held-out "
+        "records, `--holdout`)",
         "",
-        "| round | adaflash × frozen-cost | accepted: suffix | drafter | ngram | plain rounds |",
-        "|---|---|---|---|---|---|",
+        "| round | adaflash × frozen-cost | accepted: suffix | drafter | ngram | plain rounds | evidence τ |",
+        "|---|---|---|---|---|---|---|",
     ]
     ratios = {}
+    # The evidence a round's drafter carried was measured when the previous round trained it.
+    evidence = {r["round"] + 1: (r["methods"]["adaflash"].get("evidence") or {}).get("tau_full")
+                for r in rows}  # fmt: skip
     for r in rows:
         a, f = r["methods"]["adaflash"]["c1"], r["methods"]["frozen-cost"]["c1"]
         ratios[r["round"]] = a["tps"] / f["tps"]
@@ -93,7 +98,10 @@ def _learning_lines(result: dict) -> list[str]:
             for k in ("suffix", "drafter", "ngram")
         ]
         plain = p.get("none", {}).get("rounds", 0)
-        lines.append(f"| {r['round']} | {ratios[r['round']]:.2f}× | " + " | ".join(acc) + f" | {plain} |")
+        ev = evidence.get(r["round"])
+        ev_txt = f"{ev:.2f}" if ev is not None else "–"
+        cells = [f"{ratios[r['round']]:.2f}×", *acc, str(plain), ev_txt]
+        lines.append(f"| {r['round']} | " + " | ".join(cells) + " |")
     late = sorted(v for k, v in ratios.items() if 3 <= k <= 9)
     if late:
         mid = len(late) // 2

@@ -164,6 +164,13 @@ def adapt(
     suffix: Annotated[
         bool, typer.Option(help="the adaflash learner also keeps a governed suffix cache; a suffix-only cell")
     ] = True,
+    holdout: Annotated[
+        int,
+        typer.Option(
+            help="each round's clean records held out of its training: the retrained drafter's "
+            "release evidence (held-out acceptance) that serving prices it by"
+        ),
+    ] = 2,
     out: Annotated[Path, typer.Option(help="JSON + markdown + plot")] = Path("benchmarks/online"),
     work: Annotated[Path, typer.Option(help="per-learner governance dirs and drafters")] = Path(
         ".adaflash/adapt"
@@ -180,7 +187,7 @@ def adapt(
         raise InputError(f"unknown learner(s) {', '.join(bad)}: choose from {', '.join(LEARNERS)}")
     spec = AdaptationSpec(rounds, per_round, concurrency, max_new_tokens, epochs, lr, names, source,
                           replay_records=replay_records, c1_prompts=c1_prompts,
-                          frozen_cost=frozen_cost, suffix=suffix)  # fmt: skip
+                          frozen_cost=frozen_cost, suffix=suffix, holdout=holdout)  # fmt: skip
     tgt, _ = load(target, None)
     result = run_adaptation(tgt, drafter, spec, work, log=log)
     result["command"] = "adaflash adapt " + " ".join(sys.argv[2:])

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -111,6 +113,7 @@ def shadow_eval(
             "tps": a["tokens"] / max(a["seconds"], 1e-9),
             "tokens_per_cpu_s": a["tokens"] / max(a["cpu_seconds"], 1e-9),
             "tau_full": a["full_tokens"] / max(a["full_rounds"], 1),
+            "full_rounds": int(a["full_rounds"]),
             "calibration_error": a["head_abs_err"] / a["head_rounds"] if a["head_rounds"] else None,
         }
         for d, a in acc.items()
@@ -331,9 +334,9 @@ def register(
     }
     metrics = {"shadow": shadow["challenger"]["domains"], "champion": shadow["champion"]["domains"],
                "gate": gate_summary(shadow["gate"]), "train": training or {}}  # fmt: skip
-    with _registry(target, tracking_uri, bootstrap_servers) as reg:
+    with tempfile.TemporaryDirectory() as tmp, _registry(target, tracking_uri, bootstrap_servers) as reg:
         version = reg.register(
-            challenger_dir,
+            with_shadow_evidence(challenger_dir, shadow["challenger"], Path(tmp)),
             lineage=lineage,
             metrics=metrics,
             reports={"shadow_report": shadow},  # per-record τ of both drafters, intervals, policy
@@ -349,6 +352,25 @@ def register(
     finally:
         store.close()
     return version
+
+
+def with_shadow_evidence(drafter_dir: Path, shadow: dict, tmp: Path) -> Path:
+    """A copy of `drafter_dir` (under `tmp`) carrying its shadow evaluation as release evidence
+    (full-block τ on the held-out records, `models/evidence.py`): what a server that installs the
+    version prices it by. The step's input artifact itself is left as it came."""
+    from adaflash.models.checkpoint import stamp_evidence
+    from adaflash.models.evidence import AcceptanceEvidence
+
+    whole = shadow["domains"].get("all", {})
+    if not whole.get("full_rounds"):
+        return drafter_dir  # nothing was measured: serving falls back to its generic prior
+    out = tmp / drafter_dir.name
+    shutil.copytree(drafter_dir, out)
+    block = int(json.loads((out / "config.json").read_text())["block_size"])
+    n = whole.get("n", 0)
+    stamp_evidence(out, AcceptanceEvidence.from_tau(whole["tau_full"], block - 1, whole["full_rounds"],
+                                           f"shadow evaluation on {n} held-out records"))  # fmt: skip
+    return out
 
 
 def promote(target: str, tracking_uri: str, bootstrap_servers: str, version: str, reason: str) -> None:

@@ -7,7 +7,8 @@ A drafter directory is a public DFlash checkpoint plus two files of ours beside 
   model.safetensors         `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`
   length_head.safetensors   the adaptive length head (SGLang would silently drop extra tensors
                             in model.safetensors, so it lives in its own file)
-  adaflash.json             metadata: target fingerprint/name, length-head shape, lineage
+  adaflash.json             metadata: target fingerprint/name, length-head shape, lineage, and
+                            the release evidence (held-out acceptance, `models/evidence.py`)
 
 Loading checks everything against the target it will run with and raises `CheckpointError`
 with a one-line reason on any mismatch.
@@ -29,6 +30,7 @@ import torch
 from adaflash import __version__
 from adaflash.errors import CheckpointError
 from adaflash.models.drafter import Drafter, DrafterConfig
+from adaflash.models.evidence import AcceptanceEvidence
 from adaflash.models.hf_config import HF_NAMES
 from adaflash.models.length_head import LengthHead
 from adaflash.models.targets import TINY_CONFIG, Vocabulary, smollm2_dir
@@ -57,6 +59,7 @@ class DrafterMeta:
     lineage: dict = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     code_version: str = __version__
+    acceptance: dict | None = None  # release evidence (`AcceptanceEvidence.to_dict`), when measured
 
 
 @dataclass
@@ -70,6 +73,12 @@ class DrafterBundle:
     @property
     def config(self) -> DrafterConfig:
         return self.drafter.config
+
+    @property
+    def evidence(self) -> AcceptanceEvidence | None:
+        """Its measured held-out acceptance, if its checkpoint carries one (checked at load)."""
+        raw = self.meta.acceptance
+        return None if raw is None else AcceptanceEvidence.parse(raw, str(self.path or "drafter"))
 
 
 def save_drafter(
@@ -116,6 +125,17 @@ def save_drafter(
     else:
         tmp.rename(out)
     return out
+
+
+def stamp_evidence(drafter_dir: Path | str, evidence: AcceptanceEvidence) -> None:
+    """Write a drafter's release evidence into its `adaflash.json` (atomically: a reader sees the
+    old file or the new one)."""
+    path = Path(drafter_dir) / META
+    meta = json.loads(path.read_text())
+    meta["acceptance"] = evidence.to_dict()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, path)
 
 
 def _read_regular(path: Path, cap: int) -> bytes:
@@ -194,6 +214,8 @@ def load_drafter(
         meta = DrafterMeta(**meta_raw)
     except TypeError as e:
         raise CheckpointError(f"{d / META} is malformed: {e}") from None
+    if meta.acceptance is not None:
+        AcceptanceEvidence.parse(meta.acceptance, str(d / META))
 
     checks = [
         ("hidden size", config.hidden_size, target_hidden_size),

@@ -7,7 +7,7 @@ second of the whole step:
     tokens(choice) / [target(rows) + drafter_block(R) + drafter_lm(rows_d) + overhead]
 
 The costs are curves measured on this engine (`CostCurve`: calibrated once, then updated by every
-step); the expected tokens come from acceptance measured online (`AcceptanceStats`: conditional
+step); the expected tokens come from acceptance measured online (`acceptance.AcceptanceStats`: conditional
 acceptance per draft position, per proposer) scaled per request (its own n-gram hit rate, the
 length head's â for the drafter). The ratio objective is maximised by Dinkelbach iterations: with
 λ the best tokens/second so far, each request independently maximises
@@ -101,47 +101,6 @@ def _interp(known: list[tuple[int, float]], x: int) -> float:
             return v0 + (v1 - v0) * (x - k0) / (k1 - k0)
     (k0, v0), (k1, v1) = known[-2:] if len(known) > 1 else ((0, 0.0), known[-1])
     return v1 + (v1 - v0) * (x - k1) / max(k1 - k0, 1)
-
-
-@dataclass
-class AcceptanceStats:
-    """P(draft position j accepted | positions < j accepted), per position, decayed counts: a
-    truncated verify (k̂ < k) is censored correctly because position j only counts when tried."""
-
-    positions: int
-    prior: float = 0.3
-    prior_weight: float = 2.0
-    decay: float = 0.999
-    tried: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.tried = [0.0] * self.positions
-        self.accepted = [0.0] * self.positions
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        for j in range(self.positions):
-            self.tried[j] *= self.decay
-            self.accepted[j] *= self.decay
-        for j in range(min(accepted + 1, drafted, self.positions)):
-            self.tried[j] += 1.0
-            if j < accepted:
-                self.accepted[j] += 1.0
-
-    def conditional(self) -> list[float]:
-        w = self.prior_weight
-        return [
-            (a + self.prior * w) / (t + w) if t + w > 0 else self.prior
-            for a, t in zip(self.accepted, self.tried, strict=True)
-        ]
-
-    def survival(self) -> list[float]:
-        """S_j = P(at least j drafts accepted), j = 1..positions."""
-        out, s = [], 1.0
-        for a in self.conditional():
-            s *= a
-            out.append(s)
-        return out
 
 
 def scaled(survival: Sequence[float], first: float) -> list[float]:

@@ -93,15 +93,17 @@ class SuffixProposer:
             return None
         tokens = history(req)
         best = self._local(req, tokens).propose(tokens, room)
+        req.suffix_source = "own"
         if self.cache is not None and self.cache.config.enabled and req.use_suffix_cache:
             shared = self.cache.propose(req.tenant_id, tokens, room)
             if shared is not None and (best is None or shared.score > best.score):
-                best = shared
+                best, req.suffix_source = shared, "tenant"
         return best
 
     def propose(self, req: Request, room: int) -> list[int]:
         d = self.draft(req, room)
-        # The draft's own estimate (the matching occurrences' agreement) travels with the request:
-        # the cost policy prices this round's suffix draft by it (`CostPolicy._lookup_survival`).
+        # The draft's own estimate (the matching occurrences' agreement) and where it came from
+        # travel with the request: the cost policy prices this round's suffix draft by them
+        # (`CostPolicy._lookup_survival`).
         req.suffix_probs = d.probs if d is not None else []
         return d.tokens if d is not None else []

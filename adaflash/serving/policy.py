@@ -18,8 +18,8 @@ from adaflash import kernels
 from adaflash.models.checkpoint import DrafterBundle
 from adaflash.models.transformer import TargetModel
 from adaflash.serving import lockstep
+from adaflash.serving.acceptance import AcceptanceStats, Reliability
 from adaflash.serving.costs import (
-    AcceptanceStats,
     Candidate,
     CostCurve,
     Option,
@@ -46,6 +46,9 @@ EXPLORE_EVERY = 32  # steps without a policy drafter forward before one is force
 EXPLORE_MAX_GAP = 512
 IDLE_RECHECK = 8  # after this many no-draft plans in a row, only every 8th step is priced
 MEMORY = 0.3  # weight of the newest round in a request's acceptance memory
+# Tries per position that a drafter's release evidence (its held-out acceptance) counts as before
+# served rounds replace it: enough that one unlucky probe does not price a good drafter out.
+EVIDENCE_WEIGHT = 8.0
 
 
 @dataclass
@@ -90,7 +93,9 @@ class CostPolicy:
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         # This step's model-free proposals, per proposer and request index (scored in observe).
         self._proposed: dict[str, dict[int, list[int]]] = {}
-        self._suffix_calib = (0.0, 0.0)  # decayed (accepted, estimated) suffix drafts
+        # How far suffix drafts' own estimates hold, per source: the request's own prompt and
+        # output, or its tenant's earlier responses (cross-request matches err differently).
+        self.suffix_reliability = {"own": Reliability(), "tenant": Reliability()}
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
 
@@ -127,8 +132,14 @@ class CostPolicy:
     def _reset_stats(self) -> None:
         k = self.lookup_block
         self.mean_a_hat = None
+        # The drafter starts from its own release evidence where its checkpoint carries one (a
+        # retrained drafter at τ 2.5 is not the bootstrap's τ 1.5), else from a generic prior.
+        ev = self.bundle.evidence if self.bundle is not None else None
+        self.stats = {
+            "drafter": AcceptanceStats.from_survival(k - 1, ev.survival, EVIDENCE_WEIGHT)
+            if ev is not None else AcceptanceStats(k - 1)
+        }  # fmt: skip
         # Optimistic n-gram prior: lookup costs no forward, so it gets tried and measured early.
-        self.stats = {"drafter": AcceptanceStats(k - 1)}
         for name in self.lookups:
             self.stats[name] = AcceptanceStats(k - 1, prior=0.6, prior_weight=4)
 
@@ -297,13 +308,13 @@ class CostPolicy:
         """A model-free proposal's expected acceptance: the proposer's measured conditionals, the
         first position set to this request's own hit rate with it. A suffix draft carries its own
         estimate (how far the matching occurrences agree): that, times the measured ratio of
-        accepted to estimated suffix drafts (`suffix_calibration`), prices it instead — a
-        30-token match that 5 earlier answers continue alike is not a coin flip."""
+        accepted to estimated suffix drafts for estimates like it and from its source
+        (`suffix_reliability`), prices it instead — a 30-token match that 5 earlier answers
+        continue alike is not a coin flip."""
         if not drafts:
             return []
         if name == "suffix" and len(r.suffix_probs) >= len(drafts):
-            c = self.suffix_calibration
-            return [min(1.0, p * c) for p in r.suffix_probs[: len(drafts)]]
+            return self.suffix_reliability[r.suffix_source].survival(r.suffix_probs[: len(drafts)])
         stats = self.stats[name]
         first = r.accept_ema.get(name, stats.conditional()[0])
         return scaled(stats.survival(), first)[: len(drafts)]
@@ -364,15 +375,8 @@ class CostPolicy:
 
     # --- feedback from verification --------------------------------------------------------------
 
-    @property
-    def suffix_calibration(self) -> float:
-        """Accepted / estimated suffix drafts (decayed sums, a prior of 8 drafts at 0.8)."""
-        acc, est = self._suffix_calib
-        return max(0.2, min(1.5, (acc + 6.4) / (est + 8.0)))
-
-    def _calibrate_suffix(self, probs: list[float], tried: int, hits: int) -> None:
-        acc, est = self._suffix_calib
-        self._suffix_calib = (0.99 * acc + hits, 0.99 * est + sum(probs[:tried]))
+    def _calibrate_suffix(self, r: Request, known: int, hits: int) -> None:
+        self.suffix_reliability[r.suffix_source].observe(r.suffix_probs, known, hits)
 
     def observe(self, decoding: list[Request], plan: Plan, accepted: list[int], nxt: list[int]) -> None:
         """Acceptance from this step's verification. A policy request's lookup proposals are
@@ -389,15 +393,15 @@ class CostPolicy:
                 if p == name:
                     hits = accepted[i]
                     if name == "suffix":
-                        self._calibrate_suffix(r.suffix_probs, drafted, hits)
+                        self._calibrate_suffix(r, drafted, hits)
                 elif proposal and r.method == "adaflash-cost":
                     lo = int(doff[i])
                     new = plan.drafts[lo : lo + accepted[i]].tolist() + [nxt[i]]
                     tried = min(len(proposal), len(new))
                     hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
                     self.stats[name].observe(tried, hits)
-                    if name == "suffix" and hits < tried:  # its full acceptance is known: hits
-                        self._calibrate_suffix(r.suffix_probs, len(proposal), hits)
+                    if name == "suffix":  # a miss tells every position; all hits, the first `tried`
+                        self._calibrate_suffix(r, len(proposal) if hits < tried else tried, hits)
                 else:
                     continue
                 hit = float(hits > 0)

@@ -123,6 +123,7 @@ class Request:
     lookup: NgramIndex = field(default_factory=NgramIndex, repr=False)  # prompt lookup's n-gram table
     suffix_index: SuffixIndex | None = field(default=None, repr=False)  # suffix decoding's own index
     suffix_probs: list[float] = field(default_factory=list, repr=False)  # this round's draft estimate
+    suffix_source: str = field(default="own", repr=False)  # "own" history or the "tenant" cache
 
     @property
     def finished(self) -> bool:

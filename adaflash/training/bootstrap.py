@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from adaflash.errors import AdaFlashError
 from adaflash.models.checkpoint import DrafterMeta, load_drafter, save_drafter
 from adaflash.models.drafter import Drafter
+from adaflash.models.evidence import AcceptanceEvidence
 from adaflash.models.factory import new_drafter
 from adaflash.models.length_head import LengthHead, acceptance_label
 from adaflash.models.targets import Target, native_bf16
@@ -188,13 +189,14 @@ class BootstrapTrainer:
         self.state = TrainState(**saved["state"])
         self.progress("resume", {"step": self.state.step, "head_step": self.state.head_step})
 
-    def _checkpoint(self, lineage: dict) -> None:
+    def _checkpoint(self, lineage: dict, evidence: AcceptanceEvidence | None = None) -> None:
         meta = DrafterMeta(
             target_fingerprint=self.target.fingerprint,
             target_name=self.target.name,
             target_hidden_size=self.target.config.hidden_size,
             target_vocab_size=self.target.config.vocab_size,
             lineage=lineage,
+            acceptance=evidence.to_dict() if evidence is not None else None,
         )
         save_drafter(self.out, self.drafter, self.head, meta, draft_vocab=self.draft_vocab)
         tmp = self.out / (STATE + ".tmp")
@@ -331,15 +333,8 @@ class BootstrapTrainer:
         vocab = self._vocab(store)
         if c.standardize_fc and self.state.step == 0:
             self._standardize_fc([store[i] for i in range(min(16, len(store)))])
-        self.progress(
-            "train_start",
-            {
-                "sequences": len(store),
-                "tokens": store.response_tokens(),
-                "vocab": vocab.size,
-                "steps": c.steps,
-            },
-        )
+        self.progress("train_start", {"sequences": len(store), "tokens": store.response_tokens(),
+                                      "vocab": vocab.size, "steps": c.steps})  # fmt: skip
         if not self.state.curve:
             self._curve_point(held)
         store, vocab, stopped_by_budget = self._train(store, vocab, train_prompts, held, deadline)
@@ -360,7 +355,10 @@ class BootstrapTrainer:
                 "subset": "full",
             }
         )
-        self._checkpoint(self._lineage(store, vocab))
+        # The release evidence serving prices this drafter by: its held-out full-block acceptance.
+        self._checkpoint(
+            self._lineage(store, vocab), AcceptanceEvidence.of(report["all"], "bootstrap held-out")
+        )
         return self._write_metrics(store, report, stopped_by_budget, t_start, command)
 
     def _data(self, deadline: float | None) -> tuple[list, FeatureStore, HeldOut]:
