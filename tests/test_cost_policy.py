@@ -310,3 +310,31 @@ def test_without_a_queue_sure_model_free_drafts_can_save_a_step_the_priced_plan_
     long = [Option("suffix", 5, 3.4)] * 6 + [Option("ngram", 3, 2.9), Option("none", 0, 0.0)]
     assert lockstep(costs, 1.0, cands, long, 8, 0, 8) == [Option("none", 0, 0.0)] * 8
     assert lockstep(costs, 1.0, cands, plan, 8, 0, 8) == plan
+
+
+def test_a_long_context_projection_is_not_counted_as_a_block_forward(tiny64, trained):
+    """The first draft after a long prompt projects its whole queued context once: priced as a
+    block forward's cost, it held the drafter at several times its cost until it drafted again."""
+    import time
+
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=1), "v1")
+    dslots = engine.policy.drafter.dslots
+    flush = dslots.flush
+
+    def slow_flush(slots=None):  # a projection far dearer than any block forward of this target
+        if dslots.queued_rows:  # 0.05 s of CPU: the policy's clock is this process's CPU time
+            t0 = time.process_time()
+            while time.process_time() - t0 < 0.05:
+                pass
+        flush(slots)
+
+    dslots.flush = slow_flush
+    seen = []
+    observe = engine.policy.costs.drafter_block.observe
+    engine.policy.costs.drafter_block.observe = lambda n, s, w=1.0: seen.append(s) or observe(n, s, w)
+    prompt = [256, *range(1, 240)]  # a long context with nothing for lookup to repeat
+    n = 4 * EXPLORE_EVERY  # long enough for the policy to draft (by choice or to explore)
+    req = engine.submit(Request(prompt, GenParams(max_tokens=n, temperature=0.0)))
+    engine.run_until_idle()
+    assert req.output_ids == ar_reference(tiny64, [prompt], n)[0]
+    assert seen and max(seen) < 0.05, seen  # the projection's time stayed out of the block's cost

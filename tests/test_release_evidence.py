@@ -23,7 +23,7 @@ from adaflash.models.evidence import AcceptanceEvidence
 from adaflash.serving.acceptance import AcceptanceStats, Reliability
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.policy import CostPolicy
-from tests.conftest import make_bundle
+from tests.conftest import REPO, make_bundle
 
 
 def _saved(tmp_path, tiny64, name="d", evidence=None):
@@ -107,10 +107,9 @@ def test_register_stamps_the_shadow_evaluation_into_a_copy_not_its_input(tmp_pat
 
 
 def test_the_shipped_drafter_carries_its_held_out_evidence():
-    from pathlib import Path
-
-    meta = json.loads(Path("drafters/smollm2/adaflash.json").read_text())
-    metrics = json.loads(Path("drafters/smollm2/bootstrap_metrics.json").read_text())
+    shipped = REPO / "drafters" / "smollm2"
+    meta = json.loads((shipped / "adaflash.json").read_text())
+    metrics = json.loads((shipped / "bootstrap_metrics.json").read_text())
     ev = AcceptanceEvidence.parse(meta["acceptance"], "shipped")
     assert ev.tau == pytest.approx(metrics["heldout"]["all"]["dflash_tau"], abs=0.01)
 

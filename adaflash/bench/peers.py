@@ -57,7 +57,14 @@ def _row(batch: int, requests: int, tokens: int, wall: float, cpu: float) -> dic
 
 
 @torch.no_grad()
-def hf_generate_tps(model, target: Target, prompts: list[list[int]], batch: int, max_new: int) -> dict:
+def hf_generate_tps(
+    model, target: Target, prompts: list[list[int]], batch: int, max_new: int, lookup: int = 0
+) -> dict:
+    """transformers `generate`, greedy, `batch` prompts at a time; with `lookup` (batch 1 only), its
+    prompt-lookup decoding drafting that many tokens per round (`prompt_lookup_num_tokens`)."""
+    if lookup and batch != 1:
+        raise ValueError("transformers' prompt lookup decodes one sequence at a time (batch 1)")
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     eos = list(target.tokenizer.eos_token_ids)
     pad = eos[0] if eos else 0
 
@@ -75,12 +82,28 @@ def hf_generate_tps(model, target: Target, prompts: list[list[int]], batch: int,
                 do_sample=False,
                 eos_token_id=eos or None,
                 pad_token_id=pad,
+                **extra,
             )
             for row in out[:, width:].tolist():
                 tokens += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
         return tokens
 
     return _row(batch, len(prompts), *_timed(run))
+
+
+def hf_lookup_rows(model, target: Target, prompts: dict[str, list[list[int]]], max_new: int, k: int,
+                   ours: dict[str, dict[str, float]]) -> dict:  # fmt: skip
+    """transformers' plain greedy `generate` and its prompt-lookup decoding (k drafts per round) at
+    batch 1 on each domain's C = 1 prompts, beside our C = 1 cells (`ours`: method -> mean tok/s)."""
+    rows = []
+    for dom, ids in prompts.items():
+        for lookup in (0, k):
+            row = hf_generate_tps(model, target, ids, 1, max_new, lookup)
+            name = f"transformers prompt lookup (k={lookup})" if lookup else "transformers generate"
+            row.update(peer=name, numerics="the same weights and dtype in transformers", domain=dom,
+                       ours=ours.get(dom, {}))  # fmt: skip
+            rows.append(row)
+    return {"rows": rows}
 
 
 # --- llama.cpp --------------------------------------------------------------------------------

@@ -8,11 +8,11 @@ AR, τ (tokens per round incl. bonus), mean verified length k̂, P50/P95/P99 end
 TTFT, ITL (gaps between the token *chunks* a streaming client receives: a round's accepted
 tokens arrive together) and TPOT, and how many outputs equal AR's.
 
-Also (`bench.peers`): our AR against `transformers` `generate` at equal batch and llama.cpp at
-batch 1 on the same prompts, the machine's bandwidth and matmul bounds with the fraction our AR
-reaches, the peak RSS of the process after the grid, optionally the peak RSS of a real `adaflash serve` under
-C concurrent clients, and PNG plots (speedup vs concurrency; acceptance by block position; â vs
-a* calibration from fixed-k rounds, which are not censored by k̂): `bench.serving_report` writes them.
+Also (`bench.peers`): our AR against `transformers` `generate` at equal batch, transformers' and
+llama.cpp's plain and prompt-lookup decoding at batch 1 on the same prompts, the machine's bounds
+and our AR's fraction of them, peak RSS (after the grid; optionally of a real `adaflash serve`
+under C clients), and PNG plots (speedup vs concurrency; acceptance by block position; â vs a*
+from fixed-k rounds, not censored by k̂): `bench.serving_report` writes them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from adaflash.bench import closed_loop
 from adaflash.bench.peers import (
     gguf_path,
     hf_generate_tps,
+    hf_lookup_rows,
     hf_model,
     llamacpp_available,
     llamacpp_tps,
@@ -93,8 +94,10 @@ class BenchSpec:
     max_prompt_tokens: int = 1024  # longer prompts are left out (prefill would dominate a cell)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
+def _dist(xs: list[float]) -> dict[str, float | None]:
+    """P50 / P95 / P99 and the mean (a C = 1 cell's wall is the sum of its requests' e2e)."""
+    q = [float(v) for v in np.percentile(xs, [50, 95, 99])] if xs else [None] * 3
+    return {"p50": q[0], "p95": q[1], "p99": q[2], "mean": float(np.mean(xs)) if xs else None}
 
 
 def workload(target: Target, spec: BenchSpec, n: int) -> dict[str, list[tuple[str, list[int]]]]:
@@ -188,10 +191,10 @@ def run_cell(
         "tps_cpu": tokens / max(cpu, 1e-9),
         "tau": sum(rd.accepted + 1 for rd in rounds) / max(len(rounds), 1),
         "mean_verify_len": sum(rd.verify_len for rd in rounds) / max(len(rounds), 1),
-        "ttft_s": {"p50": _pct(ttft, 50), "p95": _pct(ttft, 95), "p99": _pct(ttft, 99)},
-        "e2e_s": {"p50": _pct(e2e, 50), "p95": _pct(e2e, 95), "p99": _pct(e2e, 99)},
-        "itl_s": {"p50": _pct(chunk_gaps, 50), "p95": _pct(chunk_gaps, 95), "p99": _pct(chunk_gaps, 99)},
-        "tpot_s": {"p50": _pct(tpot, 50), "p95": _pct(tpot, 95), "p99": _pct(tpot, 99)},
+        "ttft_s": _dist(ttft),
+        "e2e_s": _dist(e2e),
+        "itl_s": _dist(chunk_gaps),
+        "tpot_s": _dist(tpot),
         "rounds": [(rd.verify_len, rd.accepted, rd.a_hat) for rd in rounds],
         # Who proposed, in rounds and in accepted drafts: how the speed splits between learners.
         "proposers": {
@@ -322,15 +325,9 @@ def domain_cells(engine: Engine, spec: BenchSpec, domain: str, conc: int, rows: 
 
 def add_speedups(cells: list[dict]) -> None:
     """Each cell's speed-ups against AR's cell of the same domain and concurrency."""
+    ars = {(x["domain"], x["concurrency"]): x for x in cells if x["method"] == "ar"}
     for c in cells:
-        ar = next(
-            (
-                x
-                for x in cells
-                if x["method"] == "ar" and x["domain"] == c["domain"] and x["concurrency"] == c["concurrency"]
-            ),
-            None,
-        )
+        ar = ars.get((c["domain"], c["concurrency"]))
         c["speedup_vs_ar"] = c["tps"] / ar["tps"] if ar else None
         # The mean of runs beside the best run's ratio (a bar met only by the best run is not met).
         c["speedup_mean_vs_ar"] = c["tps_mean"] / ar["tps_mean"] if ar else None
@@ -341,6 +338,7 @@ def peer_rows(target: Target, bundle, spec: BenchSpec, prompts: dict, n_cell: di
               log) -> dict:  # fmt: skip
     """What our AR is measured against: transformers.generate, the machine's bounds, llama.cpp."""
     result: dict = {}
+    ours = {(c["domain"], c["concurrency"], c["method"]): c for c in cells}
     if spec.hf_baseline and "ar" in spec.methods:
         log("transformers.generate baseline ...")
         model = hf_model(target)
@@ -349,13 +347,17 @@ def peer_rows(target: Target, bundle, spec: BenchSpec, prompts: dict, n_cell: di
         for conc in spec.concurrency:
             rows = [ids for _, ids in prompts[dom][: n_cell[conc]]]
             hf = hf_generate_tps(model, target, rows, conc, spec.max_new_tokens)
-            ours = next(
-                x for x in cells if x["method"] == "ar" and x["domain"] == dom and x["concurrency"] == conc
-            )
-            base.append({**hf, "domain": dom, "ours_ar_tps": ours["tps"], "ratio": ours["tps"] / hf["tps"]})
-            log(f"HF generate batch {conc}: {hf['tps']:.2f} tok/s vs our AR {ours['tps']:.2f}")
+            ar = ours[(dom, conc, "ar")]
+            base.append({**hf, "domain": dom, "ours_ar_tps": ar["tps"], "ratio": ar["tps"] / hf["tps"]})
+            log(f"HF generate batch {conc}: {hf['tps']:.2f} tok/s vs our AR {ar['tps']:.2f}")
         result["hf_baseline"] = base
-    ours = {(c["domain"], c["concurrency"], c["method"]): c for c in cells}
+        if 1 in spec.concurrency:  # transformers' prompt lookup, the model-free peer of ours
+            log("transformers prompt lookup at batch 1 ...")
+            c1 = {d: [ids for _, ids in prompts[d][: n_cell[1]]] for d in spec.domains}
+            means = {d: {m: c["tps_mean"] for (dd, cc, m), c in ours.items() if (dd, cc) == (d, 1)}
+                     for d in c1}  # fmt: skip
+            k = bundle.config.block_size if bundle is not None else 8  # the same draft length as ours
+            result["hf_lookup"] = hf_lookup_rows(model, target, c1, spec.max_new_tokens, k, means)
     if spec.bounds and "ar" in spec.methods:
         log("machine bounds (read bandwidth, matmul) ...")
         dom = "blend" if "blend" in prompts else spec.domains[0]
@@ -383,7 +385,7 @@ def llamacpp_rows(target, bundle, spec: BenchSpec, prompts, n: int, ours: dict, 
         for k in (0, lookup):
             row = llamacpp_tps(gguf, ids, spec.max_new_tokens, torch.get_num_threads(), k)
             row["domain"] = dom
-            row["ours"] = {m: ours[(dom, 1, m)]["tps"] for m in spec.methods if (dom, 1, m) in ours}
+            row["ours"] = {m: ours[(dom, 1, m)]["tps_mean"] for m in spec.methods if (dom, 1, m) in ours}
             rows.append(row)
             log(f"{dom:6s} C=1   {row['peer']:28s} {row['tps']:8.2f} tok/s")
     return {"rows": rows}

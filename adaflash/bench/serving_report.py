@@ -104,7 +104,20 @@ def _fast_learner_lines(result: dict) -> list[str]:
             mean, best = _fmt(c.get("speedup_mean_vs_ar")), _fmt(c["speedup_vs_ar"])
             cell = f"| {c['domain']} | {c['concurrency']} | {c['method']}"
             lines.append(f"{cell} | {mean}x | {best}x | {who} |")
-    return lines
+    return lines + _ceiling_lines(result)
+
+
+def _ceiling_lines(result: dict) -> list[str]:
+    """What speculation can win at C = 1 at most: AR's mean e2e over its mean TTFT, the speed-up
+    if every decode step were free and only prefill were left (Amdahl: requests run one at a time,
+    so the cell's wall is the sum of their e2e)."""
+    ar1 = [c for c in result["cells"] if c["method"] == "ar" and c["concurrency"] == 1]
+    ar1 = [c for c in ar1 if c["e2e_s"].get("mean") and c["ttft_s"].get("mean")]
+    if not ar1:
+        return []
+    parts = [f"{c['domain']} {c['e2e_s']['mean'] / c['ttft_s']['mean']:.2f}×" for c in ar1]
+    return ["", "Ceiling over AR at C = 1 if decoding cost nothing (AR's mean e2e / mean TTFT): "
+            + ", ".join(parts) + "."]  # fmt: skip
 
 
 def _peer_lines(result: dict) -> list[str]:
@@ -132,23 +145,32 @@ def _peer_lines(result: dict) -> list[str]:
     lc = result.get("llamacpp")
     if lc and "skipped" in lc:
         lines += ["", f"llama.cpp peer: not run ({lc['skipped']})."]
-    elif lc:
-        lines += [
-            "",
-            f"llama.cpp at batch 1 — {lc['rows'][0]['numerics']}:",
-            "",
-            "| domain | peer | peer tok/s | our AR tok/s | AR / peer | our best tok/s | best / peer |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for row in lc["rows"]:
-            ours, peer = row["ours"], row["tps"]
-            best = max(ours, key=ours.get) if ours else None
-            ar, top = ours.get("ar"), ours.get(best)
-            lines.append(
-                f"| {row['domain']} | {row['peer']} | {peer:.2f} | {_fmt(ar)} | "
-                f"{_fmt(ar / peer if ar else None)}x | {_fmt(top)} ({best}) | "
-                f"{_fmt(top / peer if top else None)}x |"
-            )
+    for what, key in (("llama.cpp", "llamacpp"), ("transformers", "hf_lookup")):
+        lines += _batch1_peer_table(what, result.get(key))
+    return lines
+
+
+def _batch1_peer_table(what: str, peer: dict | None) -> list[str]:
+    """A batch-1 peer's rows beside our C = 1 cells of the same domain (AR and our best method)."""
+    if not peer or "rows" not in peer:
+        return []
+    lines = [
+        "",
+        f"{what} at batch 1 — {peer['rows'][0]['numerics']}:",
+        "",
+        "| domain | peer | peer tok/s | our AR tok/s (mean) | AR / peer | our best method tok/s (mean) | "
+        "best / peer |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in peer["rows"]:
+        ours, tps = row["ours"], row["tps"]  # ours: mean tok/s of our runs, per method
+        best = max(ours, key=ours.get) if ours else None
+        ar, top = ours.get("ar"), ours.get(best)
+        lines.append(
+            f"| {row['domain']} | {row['peer']} | {tps:.2f} | {_fmt(ar)} | "
+            f"{_fmt(ar / tps if ar else None)}x | {_fmt(top)} ({best}) | "
+            f"{_fmt(top / tps if top else None)}x |"
+        )
     return lines
 
 

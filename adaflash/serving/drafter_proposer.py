@@ -91,6 +91,11 @@ class DrafterProposer:
 
     # --- one step's drafts -----------------------------------------------------------------------
 
+    def project(self, reqs: list[Request]) -> None:
+        """Project the requests' queued context rows into the drafter's cache (what `forward`
+        would do first): a one-off per committed row, timed apart from the block's own cost."""
+        self.dslots.flush([r.slot for r in reqs])
+
     def forward(self, reqs: list[Request]) -> Block:
         """The block forward (anchor + mask tokens over each request's context) and â for every
         request whose method reads the length head (all of them with `shadow_a_hat`)."""

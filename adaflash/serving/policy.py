@@ -340,9 +340,14 @@ class CostPolicy:
         """The drafter's block for the requests at `drafted`; â then sets each one's length (the
         head's k̂ for `adaflash`, the policy's refined choice for `adaflash-cost`)."""
         reqs = [decoding[i] for i in drafted]
+        self.drafter.project(reqs)
         t0 = clock()
         block = self.drafter.forward(reqs)
-        self.costs.drafter_block.observe(len(reqs), clock() - t0)  # block forward + length head
+        # The block forward + length head alone. The context projection above is paid once per
+        # committed row, whenever the request drafts next; counted as a block's cost it priced the
+        # drafter out after every long skip (the first draft after a 700-token prompt projects it
+        # all, and the curve then held the drafter at several times its cost until it drafted again).
+        self.costs.drafter_block.observe(len(reqs), clock() - t0)
         kh = self.drafter.lengths(block)
         for pos, j in enumerate(block.heads):
             i, a = drafted[j], float(block.a_hat[pos])

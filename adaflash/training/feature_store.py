@@ -279,7 +279,7 @@ def build_store(
         raise ValueError("topk must be in 0..32 (the store never holds full-vocabulary rows)")
     key = StoreKey(target.fingerprint, tuple(layer_ids), response_set, topk)
     if (wider := _covering_store(root, key, responses)) is not None:
-        return _in_order(FeatureStore(wider, topk=topk), responses)
+        return _in_order(wider, responses)
     path = _store_path(root, key)
     feature_dim = len(layer_ids) * target.config.hidden_size
     entries = FeatureStore(path).entries if (path / "store.json").exists() else []
@@ -335,17 +335,18 @@ def build_store(
     return _in_order(FeatureStore(path), responses)
 
 
-def _covering_store(root: Path | None, key: StoreKey, responses: Sequence[Response]) -> Path | None:
+def _covering_store(root: Path | None, key: StoreKey, responses: Sequence[Response]) -> FeatureStore | None:
     """A store of the same sequences with more teacher rows per token than `key` asks for that
-    already holds every response: reading a prefix of its columns beats a second target pass."""
+    already holds every response, opened to serve `key.topk` of them: reading a prefix of its
+    columns beats a second target pass."""
     parent = (root or store_root()) / key.target_fingerprint[:16]
     want = {(r.id, _digest(r.tokens)) for r in responses}
     for k in range(32, key.topk, -1):
         path = parent / replace(key, topk=k).dirname
         if (path / "store.json").exists():
-            held = {(e.id, e.digest) for e in FeatureStore(path).entries}
-            if want <= held:
-                return path
+            store = FeatureStore(path, topk=key.topk)
+            if want <= {(e.id, e.digest) for e in store.entries}:
+                return store
     return None
 
 
