@@ -360,13 +360,14 @@ def with_shadow_evidence(drafter_dir: Path, shadow: dict, tmp: Path) -> Path:
     version prices it by. The step's input artifact itself is left as it came."""
     from adaflash.models.checkpoint import stamp_evidence
     from adaflash.models.evidence import AcceptanceEvidence
+    from adaflash.serving.export import drafter_block_size
 
     whole = shadow["domains"].get("all", {})
     if not whole.get("full_rounds"):
         return drafter_dir  # nothing was measured: serving falls back to its generic prior
     out = tmp / drafter_dir.name
     shutil.copytree(drafter_dir, out)
-    block = int(json.loads((out / "config.json").read_text())["block_size"])
+    block = drafter_block_size(out)
     n = whole.get("n", 0)
     stamp_evidence(out, AcceptanceEvidence.from_tau(whole["tau_full"], block - 1, whole["full_rounds"],
                                            f"shadow evaluation on {n} held-out records"))  # fmt: skip
