@@ -125,3 +125,9 @@ def test_bench_prompt_file_warms_the_suffix_cache_through_governance(tiny64, tmp
     assert cells["suffix"]["tau"] > cells["suffix-nocache"]["tau"]
     files = write_outputs(result, tmp_path / "out")
     assert all(f.exists() for f in files)
+    # A run without AR (`--methods suffix`) has no speed-ups: its report still writes, minus that plot.
+    none = dict.fromkeys(("speedup_vs_ar", "speedup_mean_vs_ar", "speedup_cpu_vs_ar"))
+    no_ar = {**result, "cells": [{**c, **none} for c in result["cells"] if c["method"] != "ar"]}
+    files = write_outputs(no_ar, tmp_path / "no-ar")
+    assert all(f.exists() for f in files) and (tmp_path / "no-ar" / "results.md").exists()
+    assert not (tmp_path / "no-ar" / "speedup_vs_concurrency.png").exists()

@@ -338,3 +338,35 @@ def test_a_long_context_projection_is_not_counted_as_a_block_forward(tiny64, tra
     engine.run_until_idle()
     assert req.output_ids == ar_reference(tiny64, [prompt], n)[0]
     assert seen and max(seen) < 0.05, seen  # the projection's time stayed out of the block's cost
+
+
+def test_a_lone_request_is_priced_every_step_a_priced_out_batch_only_every_few(tiny64, trained):
+    """A load bucket whose plans chose no draft skips pricing on most steps (the per-request Python
+    costs a batch step a few %), but not a lone request: there pricing is ~1 ms of a ~25 ms step
+    and suffix matches come and go token by token, so skipping 7 of 8 steps missed most."""
+    from adaflash.serving.costs import SpeculationGuard
+    from adaflash.serving.policy import IDLE_RECHECK
+
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=2), "v1")
+    policy = engine.policy
+    priced = []
+    candidate = policy._candidate
+    policy._candidate = lambda *a: priced.append(1) or candidate(*a)
+    policy.guard.want_plain_step = lambda n: False  # no forced plain step in the way
+
+    def steps_priced(requests: int, steps: int = 6) -> int:
+        params = GenParams(max_tokens=40, temperature=0.0)
+        reqs = [engine.submit(Request(p, params)) for p in PROMPTS[:requests]]
+        while any(not r.output_ids for r in reqs):
+            engine.step()  # prefill
+        priced.clear()
+        for _ in range(steps):
+            policy._idle[SpeculationGuard.bucket(requests)] = IDLE_RECHECK + 1  # priced out
+            policy.steps_since_draft = 0  # and no exploration due
+            engine.step()
+        count = len(priced)
+        engine.run_until_idle()
+        return count
+
+    assert steps_priced(1) == 6
+    assert steps_priced(2) == 0

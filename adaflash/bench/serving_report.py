@@ -224,6 +224,29 @@ def targets(result: dict) -> list[str]:
     return out
 
 
+def _speedup_plot(plt, cells: list[dict], domains: list[str], methods: list[str], out: Path) -> Path:
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), sharey=True, squeeze=False)
+    for ax, d in zip(axes[0], domains, strict=True):
+        for m in methods:
+            pts = sorted(
+                (c["concurrency"], c["speedup_vs_ar"])
+                for c in cells
+                if c["domain"] == d and c["method"] == m and c["speedup_vs_ar"] is not None
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(d)
+        ax.set_xlabel("concurrency")
+    axes[0][0].set_ylabel("speedup vs AR (TPS)")
+    axes[0][-1].legend()
+    fig.tight_layout()
+    path = out / "speedup_vs_concurrency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(result: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -235,23 +258,9 @@ def plots(result: dict, out: Path) -> list[Path]:
     methods = list(dict.fromkeys(c["method"] for c in cells))
     files = []
 
-    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), sharey=True, squeeze=False)
-    for ax, d in zip(axes[0], domains, strict=True):
-        for m in methods:
-            pts = sorted(
-                (c["concurrency"], c["speedup_vs_ar"]) for c in cells if c["domain"] == d and c["method"] == m
-            )
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_title(d)
-        ax.set_xlabel("concurrency")
-    axes[0][0].set_ylabel("speedup vs AR (TPS)")
-    axes[0][-1].legend()
-    fig.tight_layout()
-    files.append(out / "speedup_vs_concurrency.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    # A run without AR cells has no speed-ups to draw (speedup_vs_ar is None throughout).
+    if any(c["speedup_vs_ar"] is not None for c in cells):
+        files.append(_speedup_plot(plt, cells, domains, methods, out))
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for m in methods:

@@ -205,10 +205,13 @@ class CostPolicy:
         bucket = SpeculationGuard.bucket(n)
         idle = self._idle.get(bucket, 0)
         gap = self._explore_gap.get(bucket, EXPLORE_EVERY)
-        if idle >= IDLE_RECHECK and idle % IDLE_RECHECK and self.steps_since_draft + 1 < gap:
+        if n > 1 and idle >= IDLE_RECHECK and idle % IDLE_RECHECK and self.steps_since_draft + 1 < gap:
             # Priced out at this load: the last plans chose no draft, so most steps skip pricing
             # (its Python costs a few % of a batch step) and run as AR; every IDLE_RECHECK-th step
-            # prices again, and exploration still comes every `gap` steps.
+            # prices again, and exploration still comes every `gap` steps. Not for a lone
+            # request: there pricing costs ~1 ms of a ~25 ms step, and suffix matches come and
+            # go token by token (an SQL answer reaches a column list an earlier answer had),
+            # so skipping 7 of 8 steps missed most of them.
             self._idle[bucket] = idle + 1
             self.steps_since_draft += 1
             return
