@@ -45,6 +45,8 @@ def test_bench_grid_report_and_plots(tiny64, tmp_path):
     peers = ("transformers generate", "transformers prompt lookup (k=4)")
     assert [(r["domain"], r["peer"]) for r in hf1] == [(d, p) for d in ("math", "blend") for p in peers]
     assert all(r["tps"] > 0 and r["batch"] == 1 and r["ours"]["ar"] > 0 for r in hf1)
+    # blend's batch-1 plain generate is the baseline's own run on the same prompts, not a second one
+    assert hf1[2]["tps"] == result["hf_baseline"][0]["tps"] and hf1[0]["tps"] != hf1[2]["tps"]
     files = write_outputs(result, tmp_path)
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
     md = (tmp_path / "results.md").read_text()

@@ -92,13 +92,16 @@ def hf_generate_tps(
 
 
 def hf_lookup_rows(model, target: Target, prompts: dict[str, list[list[int]]], max_new: int, k: int,
-                   ours: dict[str, dict[str, float]]) -> dict:  # fmt: skip
+                   ours: dict[str, dict[str, float]], plain: dict[str, dict] | None = None,
+                   ) -> dict:  # fmt: skip
     """transformers' plain greedy `generate` and its prompt-lookup decoding (k drafts per round) at
-    batch 1 on each domain's C = 1 prompts, beside our C = 1 cells (`ours`: method -> mean tok/s)."""
+    batch 1 on each domain's C = 1 prompts, beside our C = 1 cells (`ours`: method -> mean tok/s).
+    `plain`: batch-1 plain rows already timed on the same prompts (the baseline's), not rerun."""
     rows = []
     for dom, ids in prompts.items():
         for lookup in (0, k):
-            row = hf_generate_tps(model, target, ids, 1, max_new, lookup)
+            done = (plain or {}).get(dom) if not lookup else None
+            row = dict(done) if done else hf_generate_tps(model, target, ids, 1, max_new, lookup)
             name = f"transformers prompt lookup (k={lookup})" if lookup else "transformers generate"
             row.update(peer=name, numerics="the same weights and dtype in transformers", domain=dom,
                        ours=ours.get(dom, {}))  # fmt: skip

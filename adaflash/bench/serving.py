@@ -9,10 +9,9 @@ TTFT, ITL (gaps between the token *chunks* a streaming client receives: a round'
 tokens arrive together) and TPOT, and how many outputs equal AR's.
 
 Also (`bench.peers`): our AR against `transformers` `generate` at equal batch, transformers' and
-llama.cpp's plain and prompt-lookup decoding at batch 1 on the same prompts, the machine's bounds
-and our AR's fraction of them, peak RSS (after the grid; optionally of a real `adaflash serve`
-under C clients), and PNG plots (speedup vs concurrency; acceptance by block position; â vs a*
-from fixed-k rounds, not censored by k̂): `bench.serving_report` writes them.
+llama.cpp's plain and prompt-lookup decoding at batch 1 on the same prompts, the machine's bounds,
+peak RSS (after the grid; optionally of a real `adaflash serve` under C clients), and PNG plots
+(`bench.serving_report`: speedup vs concurrency; acceptance by position; â vs a* from fixed k).
 """
 
 from __future__ import annotations
@@ -343,10 +342,11 @@ def peer_rows(target: Target, bundle, spec: BenchSpec, prompts: dict, n_cell: di
         log("transformers.generate baseline ...")
         model = hf_model(target)
         dom = "blend" if "blend" in prompts else spec.domains[0]
-        base = []
+        base, plain = [], {}
         for conc in spec.concurrency:
             rows = [ids for _, ids in prompts[dom][: n_cell[conc]]]
             hf = hf_generate_tps(model, target, rows, conc, spec.max_new_tokens)
+            plain.update({dom: hf} if conc == 1 else {})  # the batch-1 peer rows' prompts: not rerun
             ar = ours[(dom, conc, "ar")]
             base.append({**hf, "domain": dom, "ours_ar_tps": ar["tps"], "ratio": ar["tps"] / hf["tps"]})
             log(f"HF generate batch {conc}: {hf['tps']:.2f} tok/s vs our AR {ar['tps']:.2f}")
@@ -357,7 +357,7 @@ def peer_rows(target: Target, bundle, spec: BenchSpec, prompts: dict, n_cell: di
             means = {d: {m: c["tps_mean"] for (dd, cc, m), c in ours.items() if (dd, cc) == (d, 1)}
                      for d in c1}  # fmt: skip
             k = bundle.config.block_size if bundle is not None else 8  # the same draft length as ours
-            result["hf_lookup"] = hf_lookup_rows(model, target, c1, spec.max_new_tokens, k, means)
+            result["hf_lookup"] = hf_lookup_rows(model, target, c1, spec.max_new_tokens, k, means, plain)
     if spec.bounds and "ar" in spec.methods:
         log("machine bounds (read bandwidth, matmul) ...")
         dom = "blend" if "blend" in prompts else spec.domains[0]
