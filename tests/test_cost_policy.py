@@ -367,7 +367,7 @@ def test_a_lone_request_is_priced_every_step_a_priced_out_batch_only_every_few(t
     policy._candidate = lambda *a: priced.append(1) or candidate(*a)
     policy.guard.want_plain_step = lambda n: False  # no forced plain step in the way
 
-    def steps_priced(requests: int, steps: int = 6) -> int:
+    def steps_priced(requests: int, steps: int = 6, since_draft: int = 0) -> int:
         params = GenParams(max_tokens=40, temperature=0.0)
         reqs = [engine.submit(Request(p, params)) for p in PROMPTS[:requests]]
         while any(not r.output_ids for r in reqs):
@@ -375,7 +375,7 @@ def test_a_lone_request_is_priced_every_step_a_priced_out_batch_only_every_few(t
         priced.clear()
         for _ in range(steps):
             policy._idle[SpeculationGuard.bucket(requests)] = IDLE_RECHECK + 1  # priced out
-            policy.steps_since_draft = 0  # and no exploration due
+            policy.steps_since_draft = since_draft
             engine.step()
         count = len(priced)
         engine.run_until_idle()
@@ -383,3 +383,7 @@ def test_a_lone_request_is_priced_every_step_a_priced_out_batch_only_every_few(t
 
     assert steps_priced(1) == 6
     assert steps_priced(2) == 0
+    # Two requests and no queue decode in lockstep, where no exploration round ever runs: one
+    # overdue must not make every step priced (it did: a C = 8 closed loop priced all its steps
+    # after the first 32, ~2.5% of each).
+    assert steps_priced(2, since_draft=10 * EXPLORE_EVERY) == 0

@@ -205,7 +205,11 @@ class CostPolicy:
         bucket = SpeculationGuard.bucket(n)
         idle = self._idle.get(bucket, 0)
         gap = self._explore_gap.get(bucket, EXPLORE_EVERY)
-        if n > 1 and idle >= IDLE_RECHECK and idle % IDLE_RECHECK and self.steps_since_draft + 1 < gap:
+        lockstep_batch = not waiting and len(policy) > 1
+        # A lockstep batch never explores (`_explore`), so an exploration "due" there must not
+        # force pricing: it did, and a C = 8 closed loop priced every step after its first 32.
+        explore_due = self.steps_since_draft + 1 >= gap and not lockstep_batch
+        if n > 1 and idle >= IDLE_RECHECK and idle % IDLE_RECHECK and not explore_due:
             # Priced out at this load: the last plans chose no draft, so most steps skip pricing
             # (its Python costs a few % of a batch step) and run as AR; every IDLE_RECHECK-th step
             # prices again, and exploration still comes every `gap` steps. Not for a lone
@@ -226,7 +230,6 @@ class CostPolicy:
         if any(o.proposer == "drafter" for o in chosen):
             self._explore_gap[bucket] = EXPLORE_EVERY  # the drafter pays here again
         self.steps_since_draft += 1
-        lockstep_batch = not waiting and len(policy) > 1
         plain = len(policy) == n and not base_rows
         chosen = self._explore(chosen, cands, bucket, gap, n, plain, lockstep_batch)
         for i, o in zip(policy, chosen, strict=True):
