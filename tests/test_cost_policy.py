@@ -362,9 +362,9 @@ def test_a_lone_request_is_priced_every_step_a_priced_out_batch_only_every_few(t
 
     engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=2), "v1")
     policy = engine.policy
-    priced = []
-    candidate = policy._candidate
-    policy._candidate = lambda *a: priced.append(1) or candidate(*a)
+    priced = []  # one `_choose` per priced step (`_candidate` also runs when a drafted block is refined)
+    choose_ = policy._choose
+    policy._choose = lambda *a: priced.append(1) or choose_(*a)
     policy.guard.want_plain_step = lambda n: False  # no forced plain step in the way
 
     def steps_priced(requests: int, steps: int = 6, since_draft: int = 0) -> int:
