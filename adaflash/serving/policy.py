@@ -205,10 +205,10 @@ class CostPolicy:
         bucket = SpeculationGuard.bucket(n)
         idle = self._idle.get(bucket, 0)
         gap = self._explore_gap.get(bucket, EXPLORE_EVERY)
-        lockstep_batch = not waiting and len(policy) > 1
-        # A lockstep batch never explores (`_explore`), so an exploration "due" there must not
-        # force pricing: it did, and a C = 8 closed loop priced every step after its first 32.
-        explore_due = self.steps_since_draft + 1 >= gap and not lockstep_batch
+        # Whether this step forces a drafter round (`_explore`). Never in a lockstep batch (no
+        # queue, several requests), so an overdue one there must not force pricing either: it did,
+        # and a C = 8 closed loop priced every step after its first 32.
+        explore_due = self.steps_since_draft + 1 >= gap and (waiting or len(policy) == 1)
         if n > 1 and idle >= IDLE_RECHECK and idle % IDLE_RECHECK and not explore_due:
             # Priced out at this load: the last plans chose no draft, so most steps skip pricing
             # (its Python costs a few % of a batch step) and run as AR; every IDLE_RECHECK-th step
@@ -231,7 +231,7 @@ class CostPolicy:
             self._explore_gap[bucket] = EXPLORE_EVERY  # the drafter pays here again
         self.steps_since_draft += 1
         plain = len(policy) == n and not base_rows
-        chosen = self._explore(chosen, cands, bucket, gap, n, plain, lockstep_batch)
+        chosen = self._explore(chosen, cands, bucket, gap, n, plain, explore_due)
         for i, o in zip(policy, chosen, strict=True):
             step.opts[i] = o
         if any(o.proposer == "drafter" for o in chosen):
@@ -278,17 +278,18 @@ class CostPolicy:
         gap: int,
         n: int,
         plain: bool,
-        lockstep_batch: bool = False,
+        explore_due: bool,
     ) -> list[Option]:
-        """The guard's plain step now and then (when the whole step is the policy's decodes), or
-        every `gap` steps one forced drafter round, to keep â and the drafter's stats fresh. Not
-        in a lockstep batch (no queue, several requests): there one request's drafter round saves
-        the batch no step, and it pays the drafter's context projection of that request's whole
-        prompt plus a block of verify rows (0.19 s of a profiled 62 s C = 8 sql cell); the next
-        step with a queue, or a lone request, explores instead."""
+        """The guard's plain step now and then (when the whole step is the policy's decodes), or,
+        when `explore_due` (every `gap` steps), one forced drafter round, to keep â and the
+        drafter's stats fresh. Not in a lockstep batch (no queue, several requests): there one
+        request's drafter round saves the batch no step, and it pays the drafter's context
+        projection of that request's whole prompt plus a block of verify rows (0.19 s of a
+        profiled 62 s C = 8 sql cell); the next step with a queue, or a lone request, explores
+        instead."""
         if self.guard.want_plain_step(n) and plain:
             return [Option("none", 0, 0.0)] * len(chosen)  # measure what plain steps deliver
-        if self.steps_since_draft >= gap and not lockstep_batch:
+        if explore_due:
             # One request drafts its full room, in turn: a fresh â and acceptance sample for the
             # price of one block, not a batch of full-block verifies.
             able = [j for j, c in enumerate(cands) if c.drafter_limit]
