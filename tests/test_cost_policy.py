@@ -387,3 +387,25 @@ def test_a_lone_request_is_priced_every_step_a_priced_out_batch_only_every_few(t
     # overdue must not make every step priced (it did: a C = 8 closed loop priced all its steps
     # after the first 32, ~2.5% of each).
     assert steps_priced(2, since_draft=10 * EXPLORE_EVERY) == 0
+
+
+def test_a_cost_request_whose_context_was_dropped_never_drafts_a_fixed_one_still_does(tiny64, trained):
+    """Past the drafter context's byte bound an `adaflash-cost` request's queue is dropped, not
+    projected: it then decodes without the drafter (exploration included) and stays lossless,
+    while a `dflash` request beside it keeps its context and drafts every round."""
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=2), "v1")
+    dslots = engine.policy.drafter.dslots
+    dslots.flush_bytes = 8 * dslots.drafter.fc.weight.shape[1] * 4  # 8 rows: any prompt is past it
+    prompt = [256, *range(1, 120)]  # nothing for lookup to repeat
+    n = 4 * EXPLORE_EVERY  # long enough for the policy to explore the drafter
+    cost = engine.submit(Request(prompt, GenParams(max_tokens=n, temperature=0.0)))
+    fixed = engine.submit(Request(prompt, GenParams(max_tokens=n, temperature=0.0, method="dflash")))
+    engine.run_until_idle()
+    assert dslots.dropped_rows >= len(prompt)
+    assert cost.output_ids == fixed.output_ids == ar_reference(tiny64, [prompt], n)[0]
+    assert not any(rd.proposer == "drafter" for rd in cost.rounds)
+    assert all(rd.proposer == "drafter" for rd in fixed.rounds)
+    from adaflash.serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics(engine).exposition().decode()
+    assert f'adaflash_drafter_context{{what="dropped_rows"}} {float(dslots.dropped_rows)}' in metrics

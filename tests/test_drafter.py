@@ -185,3 +185,40 @@ def test_drafter_context_projects_lazily_per_slot_and_equals_the_eager_cache(tin
     assert capped.queued_rows == 3
     capped.extend(*rows(1, 0, 1))
     assert capped.queued_rows == 0
+
+
+def test_past_the_bound_a_cost_policy_slot_loses_its_queue_instead_of_projecting_it(tiny32):
+    """A C = 32 prefill wave that never drafts must not pay the drafter's projection: past the
+    byte bound the longest droppable queue is dropped and its slot marked lost (it cannot draft,
+    and later rows of the same occupant are not queued); a new occupant starts whole again.
+    Slots that are not droppable (a method that drafts every round) are still projected."""
+    import pytest
+    import torch
+
+    from adaflash.serving.runner import DrafterSlots
+
+    drafter = make_bundle(tiny32, block_size=4, seed=3).drafter
+    width = len(drafter.config.target_layer_ids) * tiny32.config.hidden_size
+
+    def rows(slot: int, start: int, n: int):
+        return torch.randn(n, width), torch.full((n,), slot), torch.arange(start, start + n)
+
+    slots = DrafterSlots(drafter, 3, 16, flush_bytes=8 * width * 4)
+    slots.set_droppable(1, True)
+    slots.set_droppable(2, True)
+    slots.extend(*rows(0, 0, 2))
+    slots.extend(*rows(2, 0, 1))
+    slots.extend(*rows(1, 0, 6))  # 9 rows past an 8-row bound: slot 1, the longest droppable, goes
+    assert slots.lost == {1} and slots.dropped_rows == 6 and slots.queued_rows == 3  # under half: 2 stays
+    assert not any(k.any() for k in slots.k)  # nothing was projected
+    slots.extend(*rows(1, 6, 1))  # the same occupant's next commit: its context has a hole
+    assert slots.queued_rows == 3
+    with pytest.raises(RuntimeError, match="dropped"):
+        slots.draft_hidden(torch.tensor([1]), torch.tensor([7]), torch.zeros(1, 4, tiny32.config.hidden_size))
+    slots.extend(*rows(1, 0, 2))  # a new occupant's prefill
+    assert slots.lost == set() and slots.queued_rows == 5
+    # Past the bound with only slot 0 (not droppable) left to free: everything is projected.
+    slots.set_droppable(1, False)
+    slots.set_droppable(2, False)
+    slots.extend(*rows(0, 2, 3))
+    assert slots.queued_rows == 0 and slots.lost == set() and all(k[0, :, :4].any() for k in slots.k)

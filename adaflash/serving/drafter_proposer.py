@@ -79,6 +79,17 @@ class DrafterProposer:
         if self.dslots is not None:
             self.dslots.extend(features, slot_rows, positions, shared)
 
+    def admit(self, req: Request) -> None:
+        """A new occupant of `req.slot`: only the cost policy's requests may lose their drafter
+        context past the queue's bound (they then decode with lookups or plainly; `dflash` and
+        `adaflash` draft every round)."""
+        if self.dslots is not None:
+            self.dslots.set_droppable(req.slot, req.method == "adaflash-cost")
+
+    def can_draft(self, req: Request) -> bool:
+        """Whether the request's drafter context is whole (not dropped past the bound)."""
+        return self.dslots is not None and req.slot not in self.dslots.lost
+
     def rebuild(self, live: list[Request], runner: PackedRunner) -> None:
         """A new drafter's context cache for in-flight requests, from their committed tokens'
         target features (the target K/V rewritten on the way are the same values)."""

@@ -92,6 +92,7 @@ class ServingMetrics:
         self._by_method: dict[str, list[int]] = {}
         self._pos: dict[int, list[int]] = {}
         self.set_drafter(engine.drafter_version)
+        r.register(_DrafterContextCollector(engine))
         engine.step_observers.append(self.on_step)
         engine.observers.append(self.on_finish)
 
@@ -188,6 +189,28 @@ class _SuffixCollector:
         for reason, n in st.skipped.items():
             learned.add_metric([f"skipped_{reason}"], n)
         yield learned
+
+
+class _DrafterContextCollector:
+    """The drafter's queued context (`DrafterSlots`): its bytes against the bound, and what the
+    bound dropped since the drafter was installed (slots whose occupant then decodes without it)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        dslots = self.engine.policy.drafter.dslots  # replaced by a hot reload: read it each scrape
+        g = GaugeMetricFamily("adaflash_drafter_context", "Drafter context queue", labels=["what"])
+        if dslots is not None:
+            values = {
+                "queued_bytes": dslots.queued_bytes,
+                "max_queued_bytes": dslots.flush_bytes,
+                "dropped_rows": dslots.dropped_rows,
+                "lost_slots": len(dslots.lost),
+            }
+            for what, v in values.items():
+                g.add_metric([what], v)
+        yield g
 
 
 class _PrefixCollector:

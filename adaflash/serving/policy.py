@@ -122,6 +122,7 @@ class CostPolicy:
         """Record on `req` what serves it: the drafter version and the block its rounds verify."""
         if req.method in DRAFTER_METHODS:
             req.drafter_version, req.block_size = self.version, self.block_size
+            self.drafter.admit(req)
         elif req.method in LOOKUP_METHODS:  # no drafter: lookups verify up to the proposer's block
             req.drafter_version, req.block_size = None, self.lookup_block
 
@@ -327,8 +328,9 @@ class CostPolicy:
         return scaled(stats.survival(), first)[: len(drafts)]
 
     def _candidate(self, r: Request, proposed: dict[str, list[int]], k: int) -> Candidate:
-        """The request's priced options: each proposer's survival curve and draft limit."""
-        n = room(r, k)
+        """The request's priced options: each proposer's survival curve and draft limit (none
+        from the drafter once its context was dropped past the queue's bound)."""
+        n = room(r, k) if self.drafter.can_draft(r) else 0
         ngram = proposed.get("ngram", [])
         dr = self.stats["drafter"].survival()
         mean = self.mean_a_hat or 1.0

@@ -35,8 +35,9 @@ from adaflash.models.transformer import KVCache, TargetModel
 
 # Segments longer than this get their own attention call (see module docstring).
 LONG_SEGMENT = 32
-# Bytes of queued committed-row features past which the drafter context projects them all, drafting
-# or not (64 MB: ~9.7k rows of SmolLM2's 3 x 576 fp32 features, a full C = 32 prefill wave).
+# Bytes of queued committed-row features past which the drafter context drops or projects them,
+# drafting or not (64 MB: ~5.8k rows of the shipped drafter's 5 x 576 fp32 features, a C = 32 wave of
+# ~180-token prompts).
 FLUSH_BYTES = 64 * 2**20
 
 
@@ -263,7 +264,11 @@ class DrafterSlots:
     (batched with the others drafted in the same step) only when that slot drafts a block. A
     request that never drafts (an AR round of the cost policy, every round at high load) never
     pays a drafter op; the projection is row-wise, so batching or delaying it changes no value.
-    The queue is bounded (`flush_bytes`): past it, everything queued is projected at once.
+    The queue is bounded (`flush_bytes`). Past it, the longest queues of `droppable` slots (the
+    cost policy's requests, which may decode without the drafter) are dropped, not projected, and
+    those slots are `lost` until their next occupant: projecting a C = 32 prefill wave that
+    never drafts cost 1.4 s of a 51 s edit cell. What is still past it then (slots whose
+    method drafts every round) is projected at once.
     """
 
     def __init__(self, drafter: Drafter, slots: int, capacity: int, flush_bytes: int = FLUSH_BYTES) -> None:
@@ -278,6 +283,14 @@ class DrafterSlots:
         # [m], the bytes they count against `flush_bytes`)
         self._queued: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._queued_bytes = 0
+        self.droppable: set[int] = set()  # slots whose queue the bound may drop (`set_droppable`)
+        self.lost: set[int] = set()  # slots whose context was dropped: they cannot draft
+        self.dropped_rows = 0  # committed rows dropped past the bound, since start
+
+    @property
+    def queued_bytes(self) -> int:
+        """What the queue counts against `flush_bytes` (an int: safe to read from another thread)."""
+        return self._queued_bytes
 
     @property
     def queued_rows(self) -> int:
@@ -298,11 +311,34 @@ class DrafterSlots:
             slot = int(slot_rows[a])
             if int(positions[a]) == 0:  # a new occupant's prefill: the slot's old queue is stale
                 self._drop(slot)
+                self.lost.discard(slot)
+            elif slot in self.lost:  # a context with a hole is never completed
+                continue
             nbytes = 0 if shared else (b - a) * features.shape[1] * features.element_size()
             self._queued.setdefault(slot, []).append((features[a:b], positions[a:b], nbytes))
             self._queued_bytes += nbytes
         if self._queued_bytes >= self.flush_bytes:
+            self._evict()
+        if self._queued_bytes >= self.flush_bytes:
             self.flush()
+
+    def set_droppable(self, slot: int, droppable: bool) -> None:
+        """Whether the slot's occupant may lose its drafter context past the bound (set at
+        admission: a method that drafts every round may not)."""
+        if droppable:
+            self.droppable.add(slot)
+        else:
+            self.droppable.discard(slot)
+
+    def _evict(self) -> None:
+        """Drop the longest droppable queues until half the bound is free."""
+        sizes = {s: sum(n for _, _, n in self._queued[s]) for s in self._queued if s in self.droppable}
+        for slot in sorted(sizes, key=sizes.__getitem__, reverse=True):
+            if self._queued_bytes < self.flush_bytes // 2 or not sizes[slot]:
+                break
+            self.dropped_rows += sum(p.numel() for _, p, _ in self._queued[slot])
+            self._drop(slot)
+            self.lost.add(slot)
 
     def _drop(self, slot: int) -> None:
         for _, _, nbytes in self._queued.pop(slot, []):
@@ -344,6 +380,8 @@ class DrafterSlots:
         Requests are bucketed by context length like the target's attention, so one long
         conversation does not pad every other request's context to its length.
         """
+        if lost := self.lost.intersection(slots.tolist()):
+            raise RuntimeError(f"drafter context of slots {sorted(lost)} was dropped: they cannot draft")
         self.flush(slots.tolist())
         buckets = _span_buckets(list(zip(lengths.tolist(), range(len(lengths)), strict=True)))
         if len(buckets) == 1:
