@@ -57,6 +57,21 @@ def test_bootstrap_trains_writes_metrics_and_resumes(tmp_path, tiny32, monkeypat
     assert m2["steps"] == 130 and len(m2["tau_vs_budget"]) > len(m1["tau_vs_budget"])
     assert not any(k == "generate" for k, _ in resumed)  # responses and features were reused
 
+    # Warm start: a new --out starts from this drafter's weights and head (fc not re-standardised).
+    warm = tmp_path / "warm"
+    again = BootstrapConfig(**{**cfg.__dict__, "steps": 0, "head_steps": 0, "init_from": str(out)})
+    m3 = BootstrapTrainer(tiny32, warm, again).run("adaflash drafter bootstrap --init-from ...")
+    before, after = (load_drafter(d, target_fingerprint=tiny32.fingerprint) for d in (out, warm))
+    for (name, a), b in zip(
+        before.drafter.state_dict().items(), after.drafter.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert m3["heldout"]["all"]["dflash_tau"] == pytest.approx(m2["heldout"]["all"]["dflash_tau"])
+    assert after.meta.lineage["init_from"] == str(out)
+    assert f"warm-started from `{out}`" in (warm / "README.md").read_text()
+    with pytest.raises(AdaFlashError, match="block_size 8, this run 4"):
+        BootstrapTrainer(tiny32, tmp_path / "other", BootstrapConfig(**{**again.__dict__, "block_size": 4}))
+
 
 def test_bootstrap_never_generates_when_told_not_to(tmp_path, tiny32, monkeypatch):
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))

@@ -42,6 +42,9 @@ def bootstrap(
         ),
     ] = None,
     init_from_target: Annotated[bool, typer.Option(help="start from the target's top layers")] = False,
+    init_from: Annotated[
+        Path | None, typer.Option(help="warm-start from this drafter directory (a new --out only)")
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="response length cap of the training data")] = 256,
     max_train_prompts: Annotated[int | None, typer.Option(help="use only the first N train prompts")] = None,
     generate: Annotated[bool, typer.Option(help="generate responses the committed corpus lacks")] = True,
@@ -78,6 +81,7 @@ def bootstrap(
         teacher_topk=32 if kl_weight > 0 else 0,
         bf16=bf16,
         init_from_target=init_from_target,
+        init_from=str(init_from) if init_from is not None else None,
         max_new_tokens=max_new_tokens,
         max_train_prompts=max_train_prompts,
         generate_missing=generate,

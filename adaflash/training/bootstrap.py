@@ -37,6 +37,7 @@ from adaflash.models.targets import Target, native_bf16
 from adaflash.reporting import plot_tau_vs_budget
 from adaflash.training import model_card
 from adaflash.training.blocks import SequencePass, block_hidden
+from adaflash.training.bootstrap_config import BootstrapConfig
 from adaflash.training.corpus import corpus_path, seed_cache
 from adaflash.training.evaluate import evaluate_acceptance
 from adaflash.training.feature_store import FeatureStore, StoredSequence, build_store
@@ -47,50 +48,6 @@ from adaflash.workloads import interleave, load_prompts
 
 STATE = ".bootstrap_state.pt"
 METRICS = "bootstrap_metrics.json"
-
-
-@dataclass
-class BootstrapConfig:
-    # Defaults = the recipe chosen by measurement on 2 CPU cores (BENCHMARKS.md, issue 12).
-    steps: int = 2200
-    budget_minutes: float | None = None  # optional cap on the whole run
-    num_layers: int = 2
-    block_size: int = 8
-    num_feature_layers: int = 5
-    init_from_target: bool = False
-    # Fold a per-dimension standardisation of the target features into `fc`'s initial weights:
-    # SmolLM2's features have "massive activation" dims (one dim holds >50% of the norm for most
-    # tokens, up to 2.5e4), which otherwise dominate the projected context of every position.
-    standardize_fc: bool = True
-    kl_weight: float = 0.0  # > 0: CE + top-k forward KL from the store's teacher log-probs
-    teacher_topk: int = 0
-    position_decay: float | None = 4.0  # DFlash's γ for block 8
-    lr: float = 3e-3
-    warmup_frac: float = 0.04
-    lr_floor: float = 0.1
-    head_lr: float = 2e-3
-    head_steps: int = 150
-    anchors_per_seq: int = 16
-    seqs_per_step: int = 8
-    vocab_cut: bool = True
-    vocab_negatives: int = 4096  # random out-of-cut ids added to each step's softmax
-    # One padded drafter forward/backward over the step's sequences (False: one per sequence,
-    # the same objective and gradients up to float rounding, ~2x the CPU time).
-    batch_step: bool = True
-    # bf16 autocast in the training step; None: where the device runs bf16 matmuls natively. At
-    # equal CPU minutes it beat fp32 on every held-out domain (BENCHMARKS.md, issue 34's options).
-    bf16: bool | None = None
-    max_new_tokens: int = 256
-    eval_per_domain: int = 40
-    curve_per_domain: int = 12
-    curve_every_steps: int = 250
-    checkpoint_every_minutes: float = 5.0
-    max_train_prompts: int | None = None
-    generate_missing: bool = True
-    # > 0: every N steps, add the responses that appeared in the cache meanwhile (a generator
-    # running beside the trainer); the run then depends on timing, so the model card says so.
-    refresh_every_steps: int = 0
-    seed: int = 0
 
 
 Progress = Callable[[str, dict], None]
@@ -154,17 +111,25 @@ class BootstrapTrainer:
     # --- setup --------------------------------------------------------------------------
 
     def _init_models(self) -> tuple[Drafter, LengthHead]:
-        if (self.out / "config.json").exists() and (self.out / STATE).exists():
+        c = self.cfg
+        resuming = (self.out / "config.json").exists() and (self.out / STATE).exists()
+        if resuming or c.init_from is not None:
             tc = self.target.config
+            src = self.out if resuming else Path(c.init_from)
             bundle = load_drafter(
-                self.out,
+                src,
                 target_fingerprint=self.target.fingerprint,
                 target_hidden_size=tc.hidden_size,
                 target_vocab_size=tc.vocab_size,
             )
+            d = bundle.drafter.config
+            theirs = {"block_size": d.block_size, "num_layers": d.num_layers,
+                      "num_feature_layers": len(d.target_layer_ids)}  # fmt: skip
+            for name, v in theirs.items():
+                if not resuming and v != getattr(c, name):
+                    raise AdaFlashError(f"--init-from {src} has {name} {v}, this run {getattr(c, name)}")
             head = bundle.length_head or LengthHead(tc.hidden_size)
             return bundle.drafter.requires_grad_(True), head.requires_grad_(True)
-        c = self.cfg
         return new_drafter(
             self.target,
             c.num_layers,
@@ -331,7 +296,7 @@ class BootstrapTrainer:
         deadline = t_start + c.budget_minutes * 60 if c.budget_minutes else None
         train_prompts, store, held = self._data(deadline)
         vocab = self._vocab(store)
-        if c.standardize_fc and self.state.step == 0:
+        if c.standardize_fc and self.state.step == 0 and c.init_from is None:  # a trained fc is scaled
             self._standardize_fc([store[i] for i in range(min(16, len(store)))])
         self.progress("train_start", {"sequences": len(store), "tokens": store.response_tokens(),
                                       "vocab": vocab.size, "steps": c.steps})  # fmt: skip
@@ -467,6 +432,7 @@ class BootstrapTrainer:
             "train_tokens": store.response_tokens(),
             "train_vocab": vocab.size,
             "steps": self.state.step,
+            "init_from": self.cfg.init_from,
             "prompt_sets": sorted({e.id.split("/")[0] for e in store.entries}),
         }
 

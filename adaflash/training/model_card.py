@@ -36,6 +36,12 @@ def curve_table(m: dict) -> list[str]:
     return lines
 
 
+def _init(c: dict) -> str:
+    if c.get("init_from"):
+        return f"warm-started from `{c['init_from']}` (its steps are not counted below)"
+    return f"random init={not c['init_from_target']}"
+
+
 def render(m: dict, command: str) -> str:
     c = m["config"]
     acc = m["heldout"]["all"]["accept_rate_by_position"]
@@ -52,7 +58,7 @@ def render(m: dict, command: str) -> str:
             f"train split of the prompt sets ({m['train_sequences']} responses, "
             f"{m['train_tokens']} response tokens; "
             "ids in `data/responses/`).",
-            f"- Recipe: random init={not c['init_from_target']}, hard CE to the target's greedy tokens"
+            f"- Recipe: {_init(c)}, hard CE to the target's greedy tokens"
             f"{' + top-k forward KL' if c['kl_weight'] else ''}, position decay γ={c['position_decay']}, "
             f"peak lr {c['lr']} (warm-up {c['warmup_frac']:.0%} + cosine), {c['seqs_per_step']} sequences × "
             f"{c['anchors_per_seq']} anchors per step, training vocabulary cut to the response tokens "
