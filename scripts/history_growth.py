@@ -45,6 +45,7 @@ def stage_cells(engine, spec: BenchSpec, domain: str, rows: list[list[int]], pre
             "tps_mean": sum(tps) / len(tps),
             "tps_best": max(tps),
             "tau": sum(c["tau"] for c in cs) / len(cs),
+            "mean_verify_len": sum(c["mean_verify_len"] for c in cs) / len(cs),
             "proposers": cs[-1]["proposers"],
             "identical_to_ar": min(sum(a == b for a, b in zip(o, ref, strict=True)) for o in outs[m])
             if ref
