@@ -122,12 +122,13 @@ class BootstrapTrainer:
                 target_hidden_size=tc.hidden_size,
                 target_vocab_size=tc.vocab_size,
             )
-            d = bundle.drafter.config
-            theirs = {"block_size": d.block_size, "num_layers": d.num_layers,
-                      "num_feature_layers": len(d.target_layer_ids)}  # fmt: skip
-            for name, v in theirs.items():
-                if not resuming and v != getattr(c, name):
-                    raise AdaFlashError(f"--init-from {src} has {name} {v}, this run {getattr(c, name)}")
+            if not resuming:  # a resumed run's shape is checked against its saved config (`_resume`)
+                d = bundle.drafter.config
+                theirs = {"block_size": d.block_size, "num_layers": d.num_layers,
+                          "num_feature_layers": len(d.target_layer_ids)}  # fmt: skip
+                for name, v in theirs.items():
+                    if v != getattr(c, name):
+                        raise AdaFlashError(f"--init-from {src} has {name} {v}, this run {getattr(c, name)}")
             head = bundle.length_head or LengthHead(tc.hidden_size)
             return bundle.drafter.requires_grad_(True), head.requires_grad_(True)
         return new_drafter(
