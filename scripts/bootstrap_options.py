@@ -49,6 +49,8 @@ OPTIONS: dict[str, dict] = {
     "block16": {"block_size": 16, "position_decay": 7.0},
     "layers1": {"num_layers": 1},
     "layers3": {"num_layers": 3},
+    "layers1+bf16": {"num_layers": 1, "bf16": True},
+    "seqlen192": {"max_train_len": 192},  # prompt + response cut at 192 tokens (full: up to ~prompt + 256)
 }
 
 

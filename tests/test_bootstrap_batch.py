@@ -112,3 +112,19 @@ def test_trainer_step_modes_train_the_same_drafter(tiny32, store, tmp_path):
     sequential = _trained(tiny32, store, tmp_path / "s", batch_step=False)
     for got, want in zip(batched, sequential, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_max_train_len_trains_on_each_sequences_head_only(tiny32, store, tmp_path):
+    """The sequence-length option: every sampled sequence is cut to its first N tokens (prompt
+    first), features and teacher rows alike, and anchors stay inside the cut response."""
+    seq = max((store[i] for i in range(len(store))), key=lambda s: s.tokens.numel())
+    head = seq.head(seq.prompt_len + 5)
+    assert head.tokens.numel() == seq.prompt_len + 5 and head.features.shape[0] == seq.prompt_len + 5
+    assert torch.equal(head.tokens, seq.tokens[: seq.prompt_len + 5])
+    assert head.topk_ids.shape[0] == head.topk_logp.shape[0] == seq.prompt_len + 5
+    assert seq.head(10_000) is seq and seq.head(2).prompt_len == 2
+    cfg = BootstrapConfig(steps=1, num_layers=1, block_size=BLOCK, num_feature_layers=2, max_train_len=24)
+    trainer = BootstrapTrainer(tiny32, tmp_path / "cut", cfg)
+    for step in range(4):
+        for s, anchors in trainer._sample(store, step):
+            assert s.tokens.numel() <= 24 and int(anchors.max()) < s.tokens.numel() - 1

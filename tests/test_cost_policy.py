@@ -409,3 +409,51 @@ def test_a_cost_request_whose_context_was_dropped_never_drafts_a_fixed_one_still
 
     metrics = ServingMetrics(engine).exposition().decode()
     assert f'adaflash_drafter_context{{what="dropped_rows"}} {float(dslots.dropped_rows)}' in metrics
+
+
+def test_choose_charges_a_drafter_round_its_share_of_the_queued_context():
+    """A drafter round that must first project a long queued context (a first draft after a long
+    prompt) pays that too: the same drafter that wins without it loses to a weak lookup with it."""
+    costs = _costs({1: 0.05, 16: 0.051, 1024: 0.5}, {1: 0.02, 4: 0.03}, {1: 0.002, 64: 0.01})
+    drafter = [0.5, 0.3, 0.15, 0.08, 0.04, 0.02, 0.01]
+    free = Candidate([0.1], 1, drafter, 7)
+    assert choose([free], costs, base_rows=1, base_tokens=1.0)[0][0].proposer == "drafter"
+    queued = Candidate([0.1], 1, drafter, 7, drafter_setup=0.1)  # two steps' worth of projection
+    assert choose([queued], costs, base_rows=1, base_tokens=1.0)[0][0].proposer == "ngram"
+
+
+def test_a_request_pays_its_queued_context_mostly_near_its_end_and_its_own_drafter_record_counts(
+    tiny64, trained
+):
+    """The one-off context projection is spread over the rounds a request has left (next to
+    nothing early in a long answer, all of it on the last token), priced from a curve calibrated
+    at start-up; and a request whose drafter rounds delivered less than â promised is priced
+    lower than â alone says, while the policy records that for every verified drafter round."""
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=1), "v1")
+    policy = engine.policy
+    assert policy.costs.drafter_context.ready
+    prompt = [256, *range(1, 200)]
+    req = engine.submit(Request(prompt, GenParams(max_tokens=100, temperature=0.0)))
+    engine.step()  # the prefill: the whole prompt queues for the drafter's context
+    rows = policy.drafter.pending_rows(req)
+    assert rows >= len(prompt)
+    survival = [0.5] * 7
+    early = policy._setup(req, survival)
+    req.params.max_tokens = len(req.output_ids) + 1  # one token left
+    late = policy._setup(req, survival)
+    assert late == pytest.approx(policy.costs.drafter_context(rows)) and late > 0
+    assert early == pytest.approx(late * (1 + sum(survival)) / (100 - len(req.output_ids)))
+    req.params.max_tokens = 100
+
+    a = policy.mean_a_hat or 1.0
+    plain = sum(policy._drafter_survival(req, a))
+    req.accept_ema.update(drafter_accepted=0.0, drafter_expected=3.0)  # its rounds kept failing
+    assert sum(policy._drafter_survival(req, a)) < 0.5 * plain
+    assert sum(policy._drafter_survival(req, a, realised=False)) == pytest.approx(plain)
+    req.accept_ema.clear()
+    engine.run_until_idle()
+
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in PROMPTS]
+    engine.run_until_idle()
+    drafted = [r for r in reqs if any(rd.proposer == "drafter" and rd.verify_len > 1 for rd in r.rounds)]
+    assert drafted and all("drafter_expected" in r.accept_ema for r in drafted)

@@ -48,6 +48,12 @@ def calibrate(policy: CostPolicy, runner: PackedRunner, max_rows: int, repeats: 
         for n in (1, 2, 4, 8, 16, 64):
             x = torch.zeros(n, H, dtype=policy.model.dtype)
             probes.append((partial(policy.costs.drafter_lm.set, n), partial(policy.drafter.logits, x)))
+        # The context projection of committed rows (a request's first draft after its prompt).
+        d = policy.bundle.drafter
+        for n in (16, 128, 1024):
+            feats = torch.zeros(1, n, d.fc.in_features, dtype=d.fc.weight.dtype)
+            args = (feats, torch.arange(n)[None])
+            probes.append((partial(policy.costs.drafter_context.set, n), partial(d.context_kv, *args)))
     best = [float("inf")] * len(probes)
     for _ in range(repeats):
         for j, (_, fn) in enumerate(probes):
@@ -56,5 +62,6 @@ def calibrate(policy: CostPolicy, runner: PackedRunner, max_rows: int, repeats: 
             best[j] = min(best[j], clock() - t0)
     for (record, _), seconds in zip(probes, best, strict=True):
         record(seconds)
-    for curve in (policy.costs.target, policy.costs.drafter_block, policy.costs.drafter_lm):
+    costs = policy.costs
+    for curve in (costs.target, costs.drafter_block, costs.drafter_lm, costs.drafter_context):
         curve.make_monotone()

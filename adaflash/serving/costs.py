@@ -164,6 +164,9 @@ class Candidate:
     drafter_limit: int
     # Other model-free proposers (name -> survival, drafts it proposed): priced like n-gram.
     lookups: dict[str, tuple[list[float], int]] = field(default_factory=dict)
+    # Seconds of one-off work a drafter round of this request pays first (projecting its queued
+    # context rows), the share this round is charged (`CostPolicy._setup`).
+    drafter_setup: float = 0.0
 
     def model_free(self) -> list[tuple[str, list[float], int]]:
         return [("ngram", self.ngram_survival, self.ngram_limit)] + [
@@ -242,6 +245,9 @@ class StepCosts:
     drafter_block: CostCurve
     drafter_lm: CostCurve
     overhead: float = 0.0
+    # The drafter's context projection by rows: paid once per committed row, when its request
+    # next drafts (`DrafterSlots`), so it is priced per request (`Candidate.drafter_setup`).
+    drafter_context: CostCurve = field(default_factory=lambda: CostCurve(4096))
 
     def seconds(
         self, rows: int, drafted: int, lm_rows: int, fixed_drafted: int = 0, requests: float = 1.0
@@ -399,7 +405,7 @@ def _pick(c: Candidate, lam: float, row_price: float, lm_price: float, per_draft
     if per_draft is not None and c.drafter_survival:
         price = lam * (row_price + lm_price)
         m, expected = best_length(c.drafter_survival, c.drafter_limit, price)
-        v = expected - price * m - lam * per_draft
+        v = expected - price * m - lam * (per_draft + c.drafter_setup)
         if m and v > best_v:
             best = Option("drafter", m, expected)
     return best

@@ -90,6 +90,10 @@ class DrafterProposer:
         """Whether the request's drafter context is whole (not dropped past the bound)."""
         return self.dslots is not None and req.slot not in self.dslots.lost
 
+    def pending_rows(self, req: Request) -> int:
+        """Committed rows the request's next drafter round projects before its block."""
+        return self.dslots.pending(req.slot) if self.dslots is not None else 0
+
     def rebuild(self, live: list[Request], runner: PackedRunner) -> None:
         """A new drafter's context cache for in-flight requests, from their committed tokens'
         target features (the target K/V rewritten on the way are the same values)."""

@@ -49,6 +49,9 @@ MEMORY = 0.3  # weight of the newest round in a request's acceptance memory
 # Tries per position that a drafter's release evidence (its held-out acceptance) counts as before
 # served rounds replace it: enough that one unlucky probe does not price a good drafter out.
 EVIDENCE_WEIGHT = 8.0
+# How far a request's realised drafter acceptance may move its price from what â says (clip of
+# accepted / â-expected drafts, each an EMA over the request's drafter rounds).
+REALISED_CLIP = (0.25, 2.0)
 
 
 @dataclass
@@ -93,6 +96,8 @@ class CostPolicy:
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         # This step's model-free proposals, per proposer and request index (scored in observe).
         self._proposed: dict[str, dict[int, list[int]]] = {}
+        # This step's drafter rounds of policy requests: index -> drafts expected from â alone.
+        self._expected: dict[int, float] = {}
         # How far suffix drafts' own estimates hold, per source: the request's own prompt and
         # output, or its tenant's earlier responses (cross-request matches err differently).
         self.suffix_reliability = {"own": Reliability(), "tenant": Reliability()}
@@ -166,6 +171,7 @@ class CostPolicy:
         drafted = [i for i in range(n) if i in step.fixed or step.opts[i].proposer == "drafter"]
         step.drafts = [self._chosen(step.proposed, step.opts[i], i) for i in range(n)]
         step.probs, step.a_hat = [None] * n, [None] * n
+        self._expected = {}
         if drafted:
             t0 = clock()
             self._draft(decoding, drafted, step)
@@ -177,6 +183,8 @@ class CostPolicy:
             else "drafter" if i in drafted else "none"
             for i in range(n)
         ]  # fmt: skip
+        verified = {i for i in range(n) if proposer[i] == "drafter" and step.drafts[i]}
+        self._expected = {i: e for i, e in self._expected.items() if i in verified}
         V = self.model.config.vocab_size
         return assemble(decoding, step.drafts, step.probs, step.a_hat, proposer, V, self.model.dtype)
 
@@ -293,7 +301,10 @@ class CostPolicy:
         if explore_due:
             # One request drafts its full room, in turn: a fresh â and acceptance sample for the
             # price of one block, not a batch of full-block verifies.
-            able = [j for j, c in enumerate(cands) if c.drafter_limit]
+            # Not a request whose queued context would cost more than a block forward this round
+            # (it explores once it has drafted, or its successor does).
+            block = self.costs.drafter_block(1)
+            able = [j for j, c in enumerate(cands) if c.drafter_limit and c.drafter_setup <= block]
             if able:
                 j = able[self._explore_turn % len(able)]
                 self._explore_turn += 1
@@ -332,30 +343,57 @@ class CostPolicy:
         from the drafter once its context was dropped past the queue's bound)."""
         n = room(r, k) if self.drafter.can_draft(r) else 0
         ngram = proposed.get("ngram", [])
-        dr = self.stats["drafter"].survival()
         mean = self.mean_a_hat or 1.0
-        a = r.accept_ema.get("a_hat", mean)
+        survival = self._drafter_survival(r, r.accept_ema.get("a_hat", mean))[:n] if n else []
         others = {name: (self._lookup_survival(r, name, d), len(d))
                   for name, d in proposed.items() if name != "ngram" and d}  # fmt: skip
         return Candidate(
             self._lookup_survival(r, "ngram", ngram),
             len(ngram),
-            rescaled(dr, a / max(mean, 1e-3))[:n] if n else [],
+            survival,
             n,
             others,
+            self._setup(r, survival) if n else 0.0,
         )
+
+    def _drafter_survival(self, r: Request, a: float, realised: bool = True) -> list[float]:
+        """The drafter's measured survival curve, scaled for this request: by its â relative to
+        the mean â, and (`realised`) by how its own drafter rounds so far turned out against what
+        â promised them (a head can be confident on a request whose drafts keep failing)."""
+        ratio = a / max(self.mean_a_hat or 1.0, 1e-3)
+        if realised and "drafter_expected" in r.accept_ema:
+            got = (r.accept_ema["drafter_accepted"] + 0.5) / (r.accept_ema["drafter_expected"] + 0.5)
+            ratio *= min(max(got, REALISED_CLIP[0]), REALISED_CLIP[1])
+        return rescaled(self.stats["drafter"].survival(), ratio)
+
+    def _setup(self, r: Request, survival: list[float]) -> float:
+        """The share of the request's queued context projection that one drafter round is charged.
+        The first round that drafts pays it all and every later round reuses it, so it is spread
+        over the rounds the request has left at this round's expected tokens: next to nothing
+        early in a long answer, most of it near the end, where a first draft after a long run of
+        lookups would project a whole prompt to save a step or two."""
+        rows = self.drafter.pending_rows(r)
+        if not rows:
+            return 0.0
+        left = max(r.params.max_tokens - len(r.output_ids), 1)
+        return self.costs.drafter_context(rows) * min(1.0, (1.0 + sum(survival)) / left)
 
     def _draft(self, decoding: list[Request], drafted: list[int], step: StepProposals) -> None:
         """The drafter's block for the requests at `drafted`; â then sets each one's length (the
         head's k̂ for `adaflash`, the policy's refined choice for `adaflash-cost`)."""
         reqs = [decoding[i] for i in drafted]
+        rows = sum(self.drafter.pending_rows(r) for r in reqs)
+        t0 = clock()
         self.drafter.project(reqs)
+        if rows:
+            self.costs.drafter_context.observe(rows, clock() - t0)
         t0 = clock()
         block = self.drafter.forward(reqs)
         # The block forward + length head alone. The context projection above is paid once per
-        # committed row, whenever the request drafts next; counted as a block's cost it priced the
-        # drafter out after every long skip (the first draft after a 700-token prompt projects it
-        # all, and the curve then held the drafter at several times its cost until it drafted again).
+        # committed row, whenever the request drafts next: it has its own curve, priced per
+        # request (`_setup`). Counted as a block's cost it priced the drafter out after every long
+        # skip (the first draft after a 700-token prompt projects it all, and the curve then held
+        # the drafter at several times its cost until it drafted again).
         self.costs.drafter_block.observe(len(reqs), clock() - t0)
         kh = self.drafter.lengths(block)
         for pos, j in enumerate(block.heads):
@@ -377,14 +415,15 @@ class CostPolicy:
         r.accept_ema["a_hat"] = (1 - MEMORY) * r.accept_ema.get("a_hat", a) + MEMORY * a
         self.mean_a_hat = a if self.mean_a_hat is None else 0.98 * self.mean_a_hat + 0.02 * a
         cand = self._candidate(r, {m: p.get(i, []) for m, p in step.proposed.items()}, k)
-        ratio = a / max(self.mean_a_hat, 1e-3)
-        cand.drafter_survival = rescaled(self.stats["drafter"].survival(), ratio)[: cand.drafter_limit]
+        cand.drafter_survival = self._drafter_survival(r, a)[: cand.drafter_limit]
         rows = max(sum(o.drafts for o in step.opts), 1)
         extra = self.costs.target(rows + 1, self._requests) - self.costs.target(rows, self._requests)
         row_price = self._penalty * extra
         lm_price = self._penalty * self.costs.drafter_lm(rows) / rows
         o = _pick(cand, step.rate, max(row_price, 0.0), lm_price, 0.0)
         step.opts[i] = o
+        if o.proposer == "drafter":  # what â alone promised, to measure the request against
+            self._expected[i] = sum(self._drafter_survival(r, a, realised=False)[: o.drafts])
         return o.drafts if o.proposer == "drafter" else 0
 
     # --- feedback from verification --------------------------------------------------------------
@@ -402,6 +441,9 @@ class CostPolicy:
             p, drafted = plan.proposer[i], plan.khat[i] - 1
             if p in self.stats and drafted > 0:
                 self.stats[p].observe(drafted, accepted[i])
+            if i in self._expected:
+                for key, v in (("drafter_accepted", accepted[i]), ("drafter_expected", self._expected[i])):
+                    r.accept_ema[key] = (1 - MEMORY) * r.accept_ema.get(key, v) + MEMORY * v
             for name, found in self._proposed.items():
                 proposal = found.get(i)
                 if p == name:
@@ -421,6 +463,7 @@ class CostPolicy:
                 hit = float(hits > 0)
                 r.accept_ema[name] = (1 - MEMORY) * r.accept_ema.get(name, hit) + MEMORY * hit
         self._proposed = {}
+        self._expected = {}
 
     def observe_step(
         self,

@@ -296,6 +296,10 @@ class DrafterSlots:
     def queued_rows(self) -> int:
         return sum(p.numel() for q in self._queued.values() for _, p, _ in q)
 
+    def pending(self, slot: int) -> int:
+        """Rows the slot's next draft projects first (its queue)."""
+        return sum(p.numel() for _, p, _ in self._queued.get(slot, ()))
+
     def extend(self, features: torch.Tensor, slot_rows: torch.Tensor, positions: torch.Tensor,
                shared: bool = False) -> None:  # fmt: skip
         """Queue committed rows' target features [M, n*H] under their slots (rows of one slot are

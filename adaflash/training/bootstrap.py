@@ -229,7 +229,7 @@ class BootstrapTrainer:
         picks = torch.randint(len(store), (c.seqs_per_step,), generator=g).tolist()
         out = []
         for i in picks:
-            seq = store[i]
+            seq = store[i] if c.max_train_len is None else store[i].head(c.max_train_len)
             P, L = seq.prompt_len, seq.tokens.numel()
             if L - 1 <= P:
                 continue

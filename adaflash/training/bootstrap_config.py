@@ -33,6 +33,9 @@ class BootstrapConfig:
     head_steps: int = 150
     anchors_per_seq: int = 16
     seqs_per_step: int = 8
+    # Train on each sequence's first N tokens only (prompt included); None: whole sequences.
+    # The sequence-length row of issue 34's options (shorter context: a cheaper step).
+    max_train_len: int | None = None
     vocab_cut: bool = True
     vocab_negatives: int = 4096  # random out-of-cut ids added to each step's softmax
     # One padded drafter forward/backward over the step's sequences (False: one per sequence,

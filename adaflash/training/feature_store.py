@@ -82,6 +82,16 @@ class StoredSequence:
     topk_ids: torch.Tensor | None = None  # [L, k]
     topk_logp: torch.Tensor | None = None  # [L, k] fp32
 
+    def head(self, n: int) -> StoredSequence:
+        """Its first `n` tokens (prompt first): a shorter training sequence."""
+        if self.tokens.numel() <= n:
+            return self
+        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        return StoredSequence(
+            self.id, self.domain, self.tokens[:n], self.features[:n], min(self.prompt_len, n),
+            cut(self.topk_ids), cut(self.topk_logp),
+        )  # fmt: skip
+
     def to(self, device: torch.device) -> StoredSequence:
         """This sequence's tensors on `device` (the store reads into host memory; a GPU step
         moves only the sequences it samples)."""
