@@ -96,6 +96,9 @@ class CostPolicy:
         self._draft_seconds = 0.0  # drafter time of the current step (block + LM head)
         # This step's model-free proposals, per proposer and request index (scored in observe).
         self._proposed: dict[str, dict[int, list[int]]] = {}
+        # The last plan's option per decoding request: what each verified draft was expected to
+        # bring (read by `scripts/policy_calibration.py`; `expected` is 0 where nothing was priced).
+        self.last_options: list[Option] = []
         # This step's drafter rounds of policy requests: index -> drafts expected from â alone.
         self._expected: dict[int, float] = {}
         # How far suffix drafts' own estimates hold, per source: the request's own prompt and
@@ -183,6 +186,7 @@ class CostPolicy:
             else "drafter" if i in drafted else "none"
             for i in range(n)
         ]  # fmt: skip
+        self.last_options = step.opts
         verified = {i for i in range(n) if proposer[i] == "drafter" and step.drafts[i]}
         self._expected = {i: e for i, e in self._expected.items() if i in verified}
         V = self.model.config.vocab_size
