@@ -453,7 +453,33 @@ def test_a_request_pays_its_queued_context_mostly_near_its_end_and_its_own_draft
     req.accept_ema.clear()
     engine.run_until_idle()
 
-    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in PROMPTS]
+    # A drafter the policy believes in (near-certain survival), on prompts lookup cannot repeat:
+    # its rounds are verified, and each leaves the request's record.
+    k = policy.block_size
+    policy.stats["drafter"] = AcceptanceStats.from_survival(k - 1, [0.99] * (k - 1), 1e6)
+    plain = [[256, *range(1 + 40 * i, 120 + 40 * i)] for i in range(3)]
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in plain]
     engine.run_until_idle()
+    assert [r.output_ids for r in reqs] == ar_reference(tiny64, plain, 40)
     drafted = [r for r in reqs if any(rd.proposer == "drafter" and rd.verify_len > 1 for rd in r.rounds)]
     assert drafted and all("drafter_expected" in r.accept_ema for r in drafted)
+
+
+def test_ngram_drafts_are_priced_by_how_far_their_estimates_held(tiny64, trained):
+    """n-gram estimates (measured conditionals, the first position set to the request's own hit
+    rate) promised twice what edit traffic accepted; like suffix drafts, they now pass through a
+    reliability table that verification outcomes (verified or scored for free) keep current."""
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=2), "v1")
+    policy = engine.policy
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in PROMPTS]
+    engine.run_until_idle()
+    assert [r.output_ids for r in reqs] == ar_reference(tiny64, PROMPTS, 40)
+    assert sum(policy.ngram_reliability.estimated) > 0  # served rounds fed the table
+    r = Request(PROMPTS[0], GenParams(max_tokens=40, temperature=0.0))
+    r.accept_ema["ngram"] = 0.9
+    before = policy._lookup_survival(r, "ngram", [1, 2, 3])
+    assert before and r.ngram_probs
+    for _ in range(200):  # every position of such drafts fails
+        policy.ngram_reliability.observe(r.ngram_probs, 3, 0)
+    after = policy._lookup_survival(r, "ngram", [1, 2, 3])
+    assert sum(after) < 0.25 * sum(before)

@@ -104,6 +104,8 @@ class CostPolicy:
         # How far suffix drafts' own estimates hold, per source: the request's own prompt and
         # output, or its tenant's earlier responses (cross-request matches err differently).
         self.suffix_reliability = {"own": Reliability(), "tenant": Reliability()}
+        # n-gram estimates promised twice what edit accepted (scripts/policy_calibration.py).
+        self.ngram_reliability = Reliability(prior=1.0)
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
 
@@ -329,7 +331,8 @@ class CostPolicy:
 
     def _lookup_survival(self, r: Request, name: str, drafts: list[int]) -> list[float]:
         """A model-free proposal's expected acceptance: the proposer's measured conditionals, the
-        first position set to this request's own hit rate with it. A suffix draft carries its own
+        first position set to this request's own hit rate with it, times n-gram's reliability
+        table (`ngram_reliability`, as for suffix below). A suffix draft carries its own
         estimate (how far the matching occurrences agree): that, times the measured ratio of
         accepted to estimated suffix drafts for estimates like it and from its source
         (`suffix_reliability`), prices it instead — a 30-token match that 5 earlier answers
@@ -340,7 +343,11 @@ class CostPolicy:
             return self.suffix_reliability[r.suffix_source].survival(r.suffix_probs[: len(drafts)])
         stats = self.stats[name]
         first = r.accept_ema.get(name, stats.conditional()[0])
-        return scaled(stats.survival(), first)[: len(drafts)]
+        estimate = scaled(stats.survival(), first)[: len(drafts)]
+        if name != "ngram":  # a suffix draft without its own estimate
+            return estimate
+        r.ngram_probs = estimate
+        return self.ngram_reliability.survival(estimate)
 
     def _candidate(self, r: Request, proposed: dict[str, list[int]], k: int) -> Candidate:
         """The request's priced options: each proposer's survival curve and draft limit (none
@@ -432,8 +439,12 @@ class CostPolicy:
 
     # --- feedback from verification --------------------------------------------------------------
 
-    def _calibrate_suffix(self, r: Request, known: int, hits: int) -> None:
-        self.suffix_reliability[r.suffix_source].observe(r.suffix_probs, known, hits)
+    def _calibrate(self, name: str, r: Request, known: int, hits: int) -> None:
+        """A model-free draft's outcome against its own estimate (its reliability table)."""
+        if name == "suffix":
+            self.suffix_reliability[r.suffix_source].observe(r.suffix_probs, known, hits)
+        elif name == "ngram":
+            self.ngram_reliability.observe(r.ngram_probs, known, hits)
 
     def observe(self, decoding: list[Request], plan: Plan, accepted: list[int], nxt: list[int]) -> None:
         """Acceptance from this step's verification. A policy request's lookup proposals are
@@ -452,16 +463,15 @@ class CostPolicy:
                 proposal = found.get(i)
                 if p == name:
                     hits = accepted[i]
-                    if name == "suffix":
-                        self._calibrate_suffix(r, drafted, hits)
+                    self._calibrate(name, r, drafted, hits)
                 elif proposal and r.method == "adaflash-cost":
                     lo = int(doff[i])
                     new = plan.drafts[lo : lo + accepted[i]].tolist() + [nxt[i]]
                     tried = min(len(proposal), len(new))
                     hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
                     self.stats[name].observe(tried, hits)
-                    if name == "suffix":  # a miss tells every position; all hits, the first `tried`
-                        self._calibrate_suffix(r, len(proposal) if hits < tried else tried, hits)
+                    # A miss tells every position; all hits, the first `tried`.
+                    self._calibrate(name, r, len(proposal) if hits < tried else tried, hits)
                 else:
                     continue
                 hit = float(hits > 0)

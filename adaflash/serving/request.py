@@ -124,6 +124,8 @@ class Request:
     suffix_index: SuffixIndex | None = field(default=None, repr=False)  # suffix decoding's own index
     suffix_probs: list[float] = field(default_factory=list, repr=False)  # this round's draft estimate
     suffix_source: str = field(default="own", repr=False)  # "own" history or the "tenant" cache
+    # The cost policy's estimate for this round's n-gram draft, before its reliability factor.
+    ngram_probs: list[float] = field(default_factory=list, repr=False)
 
     @property
     def finished(self) -> bool:
