@@ -40,9 +40,8 @@ from adaflash.serving.suffix_cache import SuffixCache
 from adaflash.serving.verifier import Plan
 
 EXPLORE_EVERY = 32  # steps without a policy drafter forward before one is forced (fresh â)
-# Per load bucket, each exploration that did not win the drafter back doubles the gap to the
-# next one, up to this: at a load where drafting never pays (C >= 8 on this CPU), exploring every
-# 32 steps is a steady ~1.5% tax; a plan that chooses to draft again resets the gap.
+# Per load bucket, each exploration that did not win the drafter back doubles the gap, up to this
+# (exploring every 32 steps where drafting never pays, C >= 8 here, is a ~1.5% tax).
 EXPLORE_MAX_GAP = 512
 IDLE_RECHECK = 8  # after this many no-draft plans in a row, only every 8th step is priced
 MEMORY = 0.3  # weight of the newest round in a request's acceptance memory
@@ -104,7 +103,8 @@ class CostPolicy:
         # How far suffix drafts' own estimates hold, per source: the request's own prompt and
         # output, or its tenant's earlier responses (cross-request matches err differently).
         self.suffix_reliability = {"own": Reliability(), "tenant": Reliability()}
-        # n-gram estimates promised twice what edit accepted (scripts/policy_calibration.py).
+        # Fed by verified n-gram rounds only: chosen where their estimates ran highest, those
+        # promised twice what edit accepted (scripts/policy_calibration.py).
         self.ngram_reliability = Reliability(prior=1.0)
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
@@ -470,8 +470,8 @@ class CostPolicy:
                     tried = min(len(proposal), len(new))
                     hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
                     self.stats[name].observe(tried, hits)
-                    # A miss tells every position; all hits, the first `tried`.
-                    self._calibrate(name, r, len(proposal) if hits < tried else tried, hits)
+                    if name != "ngram":  # a miss tells every position; all hits, the first `tried`
+                        self._calibrate(name, r, len(proposal) if hits < tried else tried, hits)
                 else:
                     continue
                 hit = float(hits > 0)
