@@ -130,7 +130,7 @@ def test_the_policy_calibrates_own_and_tenant_suffix_drafts_apart(tiny64):
     req = Request([256, 1, 2, 3], GenParams(max_tokens=4))
     req.suffix_probs, req.suffix_source = [0.9, 0.8], "tenant"
     for _ in range(50):
-        policy._calibrate("suffix", req, 2, 0)  # the tenant history's 0.9 matches keep missing
+        policy._calibrate("suffix", req, 2, 0, verified=True)  # the tenant history's 0.9 matches keep missing
     req.suffix_source = "own"
     assert policy._lookup_survival(req, "suffix", [5, 6])[0] == pytest.approx(0.9 * 0.8)  # own: prior
     req.suffix_source = "tenant"

@@ -103,8 +103,7 @@ class CostPolicy:
         # How far suffix drafts' own estimates hold, per source: the request's own prompt and
         # output, or its tenant's earlier responses (cross-request matches err differently).
         self.suffix_reliability = {"own": Reliability(), "tenant": Reliability()}
-        # Fed by verified n-gram rounds only: chosen where their estimates ran highest, those
-        # promised twice what edit accepted (scripts/policy_calibration.py).
+        # n-gram's chosen drafts promised twice what edit accepted (scripts/policy_calibration.py).
         self.ngram_reliability = Reliability(prior=1.0)
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
@@ -439,11 +438,12 @@ class CostPolicy:
 
     # --- feedback from verification --------------------------------------------------------------
 
-    def _calibrate(self, name: str, r: Request, known: int, hits: int) -> None:
-        """A model-free draft's outcome against its own estimate (its reliability table)."""
+    def _calibrate(self, name: str, r: Request, known: int, hits: int, verified: bool) -> None:
+        """A model-free draft's outcome against its own estimate (its reliability table). n-gram
+        learns from verified rounds only: those were chosen where its estimates ran highest."""
         if name == "suffix":
             self.suffix_reliability[r.suffix_source].observe(r.suffix_probs, known, hits)
-        elif name == "ngram":
+        elif name == "ngram" and verified:
             self.ngram_reliability.observe(r.ngram_probs, known, hits)
 
     def observe(self, decoding: list[Request], plan: Plan, accepted: list[int], nxt: list[int]) -> None:
@@ -463,15 +463,15 @@ class CostPolicy:
                 proposal = found.get(i)
                 if p == name:
                     hits = accepted[i]
-                    self._calibrate(name, r, drafted, hits)
+                    self._calibrate(name, r, drafted, hits, verified=True)
                 elif proposal and r.method == "adaflash-cost":
                     lo = int(doff[i])
                     new = plan.drafts[lo : lo + accepted[i]].tolist() + [nxt[i]]
                     tried = min(len(proposal), len(new))
                     hits = next((j for j in range(tried) if proposal[j] != new[j]), tried)
                     self.stats[name].observe(tried, hits)
-                    if name != "ngram":  # a miss tells every position; all hits, the first `tried`
-                        self._calibrate(name, r, len(proposal) if hits < tried else tried, hits)
+                    known = len(proposal) if hits < tried else tried  # a miss tells every position
+                    self._calibrate(name, r, known, hits, verified=False)
                 else:
                     continue
                 hit = float(hits > 0)

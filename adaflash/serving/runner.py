@@ -294,7 +294,7 @@ class DrafterSlots:
 
     @property
     def queued_rows(self) -> int:
-        return sum(p.numel() for q in self._queued.values() for _, p, _ in q)
+        return sum(self.pending(slot) for slot in self._queued)
 
     def pending(self, slot: int) -> int:
         """Rows the slot's next draft projects first (its queue)."""
