@@ -51,6 +51,11 @@ OPTIONS: dict[str, dict] = {
     "layers3": {"num_layers": 3},
     "layers1+bf16": {"num_layers": 1, "bf16": True},
     "seqlen192": {"max_train_len": 192},  # prompt + response cut at 192 tokens (full: up to ~prompt + 256)
+    # Target layer ids: fewer of the shipped 5 (1, 8, 14, 20, 27 on SmolLM2's 30 layers), read as
+    # column subsets of the stored features (no second target pass): EAGLE-3's low / mid / high
+    # (1, 14, 27), and the two ends (1, 27).
+    "features3": {"num_feature_layers": 3},
+    "features2": {"num_feature_layers": 2},
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaflash.serving.acceptance import AcceptanceStats
+from adaflash.serving.acceptance import AcceptanceStats, Reliability
 from adaflash.serving.costs import Candidate, CostCurve, StepCosts, TargetCost, choose
 from adaflash.serving.engine import Engine, EngineConfig, GenParams, Request
 from adaflash.serving.policy import EXPLORE_EVERY
@@ -422,6 +422,19 @@ def test_choose_charges_a_drafter_round_its_share_of_the_queued_context():
     assert choose([queued], costs, base_rows=1, base_tokens=1.0)[0][0].proposer == "ngram"
 
 
+def _serve_a_believed_drafter(engine: Engine, target) -> list[Request]:
+    """Three requests served under a drafter the policy believes in (near-certain survival), on
+    prompts that lookup cannot repeat, so its rounds get verified; outputs checked against AR."""
+    k = engine.policy.block_size
+    engine.policy.stats["drafter"] = AcceptanceStats.from_survival(k - 1, [0.99] * (k - 1), 1e6)
+    engine.policy.drafter_reliability = Reliability(prior=1.0)  # nor what its earlier rounds did
+    plain = [[256, *range(1 + 40 * i, 120 + 40 * i)] for i in range(3)]
+    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in plain]
+    engine.run_until_idle()
+    assert [r.output_ids for r in reqs] == ar_reference(target, plain, 40)
+    return reqs
+
+
 def test_a_request_pays_its_queued_context_mostly_near_its_end_and_its_own_drafter_record_counts(
     tiny64, trained
 ):
@@ -453,14 +466,8 @@ def test_a_request_pays_its_queued_context_mostly_near_its_end_and_its_own_draft
     req.accept_ema.clear()
     engine.run_until_idle()
 
-    # A drafter the policy believes in (near-certain survival), on prompts lookup cannot repeat:
-    # its rounds are verified, and each leaves the request's record.
-    k = policy.block_size
-    policy.stats["drafter"] = AcceptanceStats.from_survival(k - 1, [0.99] * (k - 1), 1e6)
-    plain = [[256, *range(1 + 40 * i, 120 + 40 * i)] for i in range(3)]
-    reqs = [engine.submit(Request(p, GenParams(max_tokens=40, temperature=0.0))) for p in plain]
-    engine.run_until_idle()
-    assert [r.output_ids for r in reqs] == ar_reference(tiny64, plain, 40)
+    # A drafter the policy believes in: its rounds are verified, each leaves the request's record.
+    reqs = _serve_a_believed_drafter(engine, tiny64)
     drafted = [r for r in reqs if any(rd.proposer == "drafter" and rd.verify_len > 1 for rd in r.rounds)]
     assert drafted and all("drafter_expected" in r.accept_ema for r in drafted)
 
@@ -483,3 +490,28 @@ def test_ngram_drafts_are_priced_by_how_far_their_estimates_held(tiny64, trained
         policy.ngram_reliability.observe(r.ngram_probs, 3, 0)
     after = policy._lookup_survival(r, "ngram", [1, 2, 3])
     assert sum(after) < 0.25 * sum(before)
+
+
+def test_the_drafters_chosen_rounds_are_priced_by_how_far_their_estimates_held(tiny64, trained):
+    """The policy drafts where â runs highest, so â's curves promise more on the rounds it chose
+    than they deliver (the selection effect n-gram's table corrects). Verified drafter rounds feed
+    a reliability table of their own; a table whose rounds all failed prices the drafter down,
+    the raw â curve it learns from is left as it was, and a new drafter starts a fresh table."""
+    engine = Engine(tiny64, trained, EngineConfig(method="adaflash-cost", max_running=1), "v1")
+    policy = engine.policy
+    reqs = _serve_a_believed_drafter(engine, tiny64)
+    assert sum(policy.drafter_reliability.estimated) > 0  # verified drafter rounds fed it
+    # Far below the promised near-certain survival: the random-init-sized drafter misses.
+    assert sum(policy.drafter_reliability.hits) < sum(policy.drafter_reliability.estimated)
+
+    a = policy.mean_a_hat or 1.0
+    r = Request(reqs[0].prompt_ids, GenParams(max_tokens=40, temperature=0.0))
+    raw = policy._drafter_survival(None, a)
+    policy.drafter_reliability = Reliability(prior=1.0)
+    before = sum(policy._drafter_survival(r, a))
+    for _ in range(200):
+        policy.drafter_reliability.observe(raw, len(raw), 0)
+    assert sum(policy._drafter_survival(r, a)) < 0.25 * before
+    assert policy._drafter_survival(None, a) == raw
+    policy.install(policy.bundle, "v2")
+    assert sum(policy.drafter_reliability.estimated) == 0

@@ -69,3 +69,26 @@ def test_a_store_with_teacher_rows_serves_runs_that_want_fewer(tiny32, tmp_path)
     more = ensure_responses(tiny32, _prompts(8), tmp_path / "r.jsonl", 16, batch_size=3)
     grown = build_store(tiny32, more, LAYERS, topk=0, response_set="g", root=tmp_path)
     assert grown.path != wide.path and len(grown) == 8
+
+
+def test_a_store_of_more_target_layers_serves_a_drafter_that_taps_fewer(tiny32, tmp_path):
+    """The options table's feature-layer rows read a subset of the stored layers' columns (in the
+    drafter's own layer order) instead of a second target pass; a layer the store lacks is built."""
+    assert tiny32.config.num_layers == 4
+    responses = ensure_responses(tiny32, _prompts(5), tmp_path / "r.jsonl", 16, batch_size=3)
+    wide = build_store(tiny32, responses, (0, 1, 2), topk=4, response_set="g", root=tmp_path)
+    h = tiny32.config.hidden_size
+    seen = []
+    for ids in [(0, 2), (2, 1), (1,)]:
+        view = build_store(tiny32, responses, ids, topk=0, response_set="g", root=tmp_path,
+                           on_start=lambda n, size: seen.append(n))  # fmt: skip
+        assert view.path == wide.path and view.key.layer_ids == ids and view.feature_dim == h * len(ids)
+        for i in range(len(view)):
+            full, part = wide[i].features, view[i].features
+            expect = torch.cat([full[:, j * h : (j + 1) * h] for j in ids], dim=1)
+            assert torch.equal(part, expect) and part[0].numel() == view.feature_dim
+            assert view[i].topk_ids is None and torch.equal(wide[i].tokens, view[i].tokens)
+    assert seen == []  # no target pass
+    other = build_store(tiny32, responses, (0, 3), topk=0, response_set="g", root=tmp_path,
+                        on_start=lambda n, size: seen.append(n))  # fmt: skip
+    assert seen == [5] and other.path != wide.path

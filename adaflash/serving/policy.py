@@ -10,8 +10,6 @@ from losing to plain decoding. The engine talks to it alone: `plan` before the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from adaflash import kernels
@@ -33,7 +31,15 @@ from adaflash.serving.costs import (
 )
 from adaflash.serving.drafter_proposer import DrafterProposer
 from adaflash.serving.lookup import PromptLookupProposer, SuffixProposer
-from adaflash.serving.proposer import NGRAM_BLOCK, Proposer, ProposerConfig, assemble, clock, room
+from adaflash.serving.proposer import (
+    NGRAM_BLOCK,
+    Proposer,
+    ProposerConfig,
+    StepProposals,
+    assemble,
+    clock,
+    room,
+)
 from adaflash.serving.request import DRAFTER_METHODS, LOOKUP_METHODS, Request
 from adaflash.serving.runner import PackedRunner
 from adaflash.serving.suffix_cache import SuffixCache
@@ -51,19 +57,6 @@ EVIDENCE_WEIGHT = 8.0
 # How far a request's realised drafter acceptance may move its price from what â says (clip of
 # accepted / â-expected drafts, each an EMA over the request's drafter rounds).
 REALISED_CLIP = (0.25, 2.0)
-
-
-@dataclass
-class StepProposals:
-    """One step's working plan, per decoding request (index i)."""
-
-    opts: list[Option]
-    proposed: dict[str, dict[int, list[int]]]  # model-free proposals, per proposer and request
-    fixed: list[int]  # requests of fixed-policy drafter methods (`dflash`, `adaflash`)
-    rate: float = 0.0  # the chosen plan's expected tokens/second (λ)
-    drafts: list[list[int]] = field(default_factory=list)
-    probs: list[torch.Tensor | None] = field(default_factory=list)
-    a_hat: list[float | None] = field(default_factory=list)
 
 
 class CostPolicy:
@@ -98,12 +91,13 @@ class CostPolicy:
         # The last plan's option per decoding request: what each verified draft was expected to
         # bring (read by `scripts/policy_calibration.py`; `expected` is 0 where nothing was priced).
         self.last_options: list[Option] = []
-        # This step's drafter rounds of policy requests: index -> drafts expected from â alone.
-        self._expected: dict[int, float] = {}
+        # This step's drafter rounds of policy requests: index -> (survival from â alone,
+        # expected drafts as priced before the request's own record).
+        self._expected: dict[int, tuple[list[float], float]] = {}
         # How far suffix drafts' own estimates hold, per source: the request's own prompt and
         # output, or its tenant's earlier responses (cross-request matches err differently).
         self.suffix_reliability = {"own": Reliability(), "tenant": Reliability()}
-        # n-gram's chosen drafts promised twice what edit accepted (scripts/policy_calibration.py).
+        # n-gram's chosen drafts promised ~2x what edit accepted (scripts/policy_calibration.py).
         self.ngram_reliability = Reliability(prior=1.0)
         self._methods: list[str] = []  # this step's decoding requests' methods
         self._reset_stats()
@@ -142,6 +136,8 @@ class CostPolicy:
     def _reset_stats(self) -> None:
         k = self.lookup_block
         self.mean_a_hat = None
+        # How far â's curves hold on the rounds chosen to draft (chosen where â ran highest).
+        self.drafter_reliability = Reliability(prior=1.0)
         # The drafter starts from its own release evidence where its checkpoint carries one (a
         # retrained drafter at τ 2.5 is not the bootstrap's τ 1.5), else from a generic prior.
         ev = self.bundle.evidence if self.bundle is not None else None
@@ -366,15 +362,18 @@ class CostPolicy:
             self._setup(r, survival) if n else 0.0,
         )
 
-    def _drafter_survival(self, r: Request, a: float, realised: bool = True) -> list[float]:
-        """The drafter's measured survival curve, scaled for this request: by its â relative to
-        the mean â, and (`realised`) by how its own drafter rounds so far turned out against what
-        â promised them (a head can be confident on a request whose drafts keep failing)."""
-        ratio = a / max(self.mean_a_hat or 1.0, 1e-3)
+    def _drafter_survival(self, r: Request | None, a: float, realised: bool = True) -> list[float]:
+        """The drafter's survival curve for a request: the measured one scaled by â / mean â (alone
+        where `r` is None), calibrated on verified policy rounds (`drafter_reliability`), then
+        (`realised`) by the request's own rounds against that (a confident head can keep failing)."""
+        curve = rescaled(self.stats["drafter"].survival(), a / max(self.mean_a_hat or 1.0, 1e-3))
+        if r is None:
+            return curve
+        curve = self.drafter_reliability.survival(curve)
         if realised and "drafter_expected" in r.accept_ema:
             got = (r.accept_ema["drafter_accepted"] + 0.5) / (r.accept_ema["drafter_expected"] + 0.5)
-            ratio *= min(max(got, REALISED_CLIP[0]), REALISED_CLIP[1])
-        return rescaled(self.stats["drafter"].survival(), ratio)
+            curve = rescaled(curve, min(max(got, REALISED_CLIP[0]), REALISED_CLIP[1]))
+        return curve
 
     def _setup(self, r: Request, survival: list[float]) -> float:
         """The share of the request's queued context projection that one drafter round is charged.
@@ -428,12 +427,12 @@ class CostPolicy:
         cand.drafter_survival = self._drafter_survival(r, a)[: cand.drafter_limit]
         rows = max(sum(o.drafts for o in step.opts), 1)
         extra = self.costs.target(rows + 1, self._requests) - self.costs.target(rows, self._requests)
-        row_price = self._penalty * extra
         lm_price = self._penalty * self.costs.drafter_lm(rows) / rows
-        o = _pick(cand, step.rate, max(row_price, 0.0), lm_price, 0.0)
+        o = _pick(cand, step.rate, max(self._penalty * extra, 0.0), lm_price, 0.0)
         step.opts[i] = o
-        if o.proposer == "drafter":  # what â alone promised, to measure the request against
-            self._expected[i] = sum(self._drafter_survival(r, a, realised=False)[: o.drafts])
+        if o.proposer == "drafter":  # what â promised, to measure the table and the request against
+            priced = sum(self._drafter_survival(r, a, realised=False)[: o.drafts])
+            self._expected[i] = (self._drafter_survival(None, a)[: o.drafts], priced)
         return o.drafts if o.proposer == "drafter" else 0
 
     # --- feedback from verification --------------------------------------------------------------
@@ -457,7 +456,8 @@ class CostPolicy:
             if p in self.stats and drafted > 0:
                 self.stats[p].observe(drafted, accepted[i])
             if i in self._expected:
-                for key, v in (("drafter_accepted", accepted[i]), ("drafter_expected", self._expected[i])):
+                self.drafter_reliability.observe(self._expected[i][0], drafted, accepted[i])
+                for key, v in (("drafter_accepted", accepted[i]), ("drafter_expected", self._expected[i][1])):
                     r.accept_ema[key] = (1 - MEMORY) * r.accept_ema.get(key, v) + MEMORY * v
             for name, found in self._proposed.items():
                 proposal = found.get(i)

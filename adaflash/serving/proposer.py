@@ -23,11 +23,12 @@ Per decoding request, by method:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from adaflash.serving.costs import Option
 from adaflash.serving.request import Request
 from adaflash.serving.verifier import Plan
 
@@ -92,3 +93,16 @@ def assemble(
     cu = torch.zeros(n + 1, dtype=torch.long)
     cu[1:] = torch.tensor(khat).cumsum(0)
     return Plan(verify_tokens, khat, a_hat, proposer, drafts, d_probs, cu)
+
+
+@dataclass
+class StepProposals:
+    """One step's working plan, per decoding request (index i)."""
+
+    opts: list[Option]
+    proposed: dict[str, dict[int, list[int]]]  # model-free proposals, per proposer and request
+    fixed: list[int]  # requests of fixed-policy drafter methods (`dflash`, `adaflash`)
+    rate: float = 0.0  # the chosen plan's expected tokens/second (λ)
+    drafts: list[list[int]] = field(default_factory=list)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
+    a_hat: list[float | None] = field(default_factory=list)

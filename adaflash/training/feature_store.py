@@ -123,9 +123,11 @@ def estimate_bytes(responses: Sequence[Response], feature_dim: int, topk: int) -
 class FeatureStore:
     """Read side: `store[i]` gives a sequence's tokens and features (memory-mapped)."""
 
-    def __init__(self, path: Path, topk: int | None = None) -> None:
+    def __init__(self, path: Path, topk: int | None = None, layer_ids: tuple[int, ...] | None = None) -> None:
         """`topk`: read fewer teacher rows than stored (0: none), so that one store built with
-        top-k logits also serves the runs that train without them."""
+        top-k logits also serves the runs that train without them. `layer_ids`: read a subset of
+        the stored target layers (each layer is a block of columns), so that a drafter tapping
+        fewer layers trains without a second target pass."""
         self.path = Path(path)
         meta = json.loads((self.path / "store.json").read_text())
         self.key = StoreKey(**{**meta["key"], "layer_ids": tuple(meta["key"]["layer_ids"])})
@@ -133,6 +135,15 @@ class FeatureStore:
             self.key = replace(self.key, topk=topk)
         self.entries = [SeqEntry(**e) for e in meta["entries"]]
         self.feature_dim = int(meta["feature_dim"])
+        self._columns: np.ndarray | None = None
+        if layer_ids is not None and tuple(layer_ids) != self.key.layer_ids:
+            if not set(layer_ids) <= set(self.key.layer_ids):
+                raise ValueError(f"store holds layers {self.key.layer_ids}, not all of {tuple(layer_ids)}")
+            width = self.feature_dim // len(self.key.layer_ids)
+            blocks = [self.key.layer_ids.index(i) for i in layer_ids]
+            self._columns = np.concatenate([np.arange(b * width, (b + 1) * width) for b in blocks])
+            self.key = replace(self.key, layer_ids=tuple(layer_ids))
+            self.feature_dim = width * len(layer_ids)
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         self.version = responses_version_of(self.entries)
 
@@ -159,7 +170,7 @@ class FeatureStore:
             e.id,
             e.domain,
             torch.from_numpy(self._array(e.shard, "tokens")[rows].astype(np.int64)),
-            torch.from_numpy(np.array(self._array(e.shard, "features")[rows])),
+            torch.from_numpy(self._features(e.shard, rows)),
             e.prompt_len,
         )
         if self.key.topk:
@@ -167,6 +178,10 @@ class FeatureStore:
             seq.topk_ids = torch.from_numpy(self._array(e.shard, "topk_ids")[rows, :k].astype(np.int64))
             seq.topk_logp = torch.from_numpy(self._array(e.shard, "topk_logp")[rows, :k].astype(np.float32))
         return seq
+
+    def _features(self, shard: int, rows: slice) -> np.ndarray:
+        features = self._array(shard, "features")[rows]
+        return np.array(features) if self._columns is None else features[:, self._columns]
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -346,17 +361,23 @@ def build_store(
 
 
 def _covering_store(root: Path | None, key: StoreKey, responses: Sequence[Response]) -> FeatureStore | None:
-    """A store of the same sequences with more teacher rows per token than `key` asks for that
-    already holds every response, opened to serve `key.topk` of them: reading a prefix of its
-    columns beats a second target pass."""
+    """A wider store of the same responses that already holds every one of them: more teacher
+    rows per token than `key` asks for, and/or more target layers (a superset of its layer ids),
+    opened to serve `key`'s columns only. Reading a subset of columns beats a second target pass.
+    The narrowest such store wins (fewest layers, then fewest teacher rows)."""
     parent = (root or store_root()) / key.target_fingerprint[:16]
     want = {(r.id, _digest(r.tokens)) for r in responses}
-    for k in range(32, key.topk, -1):
-        path = parent / replace(key, topk=k).dirname
-        if (path / "store.json").exists():
-            store = FeatureStore(path, topk=key.topk)
-            if want <= {(e.id, e.digest) for e in store.entries}:
-                return store
+    found: list[tuple[int, int, Path]] = []
+    for meta in sorted(parent.glob(f"L*.{key.response_set}.top*.v{key.format}/store.json")):
+        if meta.parent.name == key.dirname:
+            continue  # the store of `key` itself (built or resumed by the caller)
+        k = json.loads(meta.read_text())["key"]
+        if k["topk"] >= key.topk and set(key.layer_ids) <= set(k["layer_ids"]):
+            found.append((len(k["layer_ids"]), k["topk"], meta.parent))
+    for _, _, path in sorted(found):
+        store = FeatureStore(path, topk=key.topk, layer_ids=key.layer_ids)
+        if want <= {(e.id, e.digest) for e in store.entries}:
+            return store
     return None
 
 
