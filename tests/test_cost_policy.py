@@ -91,9 +91,18 @@ def test_a_drafter_that_costs_more_than_it_brings_only_runs_to_explore(tiny64):
     # Four requests and no queue decode in lockstep: a forced drafter round for one of them
     # saves the batch no step, so none is explored there. A lone request still explores.
     assert forwards == [], forwards
+    table = engine.policy.drafter_reliability
+    for _ in range(100):  # every chosen round failed: with â known, no round is worth drafting
+        table.observe([0.3, 0.1, 0.05], 3, 0)
+    before = sum(table.estimated)
     alone = engine.submit(Request(PROMPTS[0], GenParams(max_tokens=2 * EXPLORE_EVERY, temperature=0.0)))
     engine.run_until_idle()
     assert len(alone.output_ids) == 2 * EXPLORE_EVERY and forwards
+    # The forced round is an acceptance sample: its full room verified although the policy, with â
+    # known, would refine it to a draft or none (else the table could never learn the drafter back).
+    explored = [rd for rd in alone.rounds if rd.proposer == "drafter"]
+    assert explored and max(rd.verify_len for rd in explored) == engine.policy.block_size
+    assert sum(table.estimated) > 0.99**3 * before  # ... and feeds the table (decay alone: less)
 
 
 def test_choose_skips_drafting_when_rows_cost_more_than_acceptance_brings():
@@ -158,6 +167,18 @@ def test_cost_curve_learns_from_steps_and_acceptance_stats_respect_censoring():
     cond = s.conditional()
     assert cond[0] == 1.0 and cond[1] == pytest.approx(0.5)
     assert s.tried[2] == 0 and cond[2] == s.prior and s.survival()[1] == pytest.approx(0.5)
+
+
+def test_a_noisy_middle_probe_never_prices_the_curve_past_it_at_zero():
+    """Calibration on a loaded machine: the 128-row probe came out slower than the 1,024-row one.
+    Extrapolating that falling line past the last probe gave negative seconds at 4,096 rows, and
+    pooling then pulled 128-4,096 rows to zero (a whole-prompt projection priced as free)."""
+    c = CostCurve(4096)
+    for n, seconds in ((16, 0.001), (128, 0.010), (1024, 0.002)):
+        c.set(n, seconds)
+    c.make_monotone()
+    assert all(v is not None and v >= 0 for v in c.values)
+    assert all(c(n) > 0.001 for n in (200, 1024, 4096)) and c(4096) >= c(200)
 
 
 def test_guard_raises_the_price_of_drafts_while_they_deliver_less_than_plain_steps():

@@ -100,7 +100,10 @@ def _interp(known: list[tuple[int, float]], x: int) -> float:
         if k0 <= x <= k1:
             return v0 + (v1 - v0) * (x - k0) / (k1 - k0)
     (k0, v0), (k1, v1) = known[-2:] if len(known) > 1 else ((0, 0.0), known[-1])
-    return v1 + (v1 - v0) * (x - k1) / max(k1 - k0, 1)
+    # Never downhill past the last measured size: a noisy middle probe (slower than the largest)
+    # extrapolated a falling line to negative seconds, and pooling in `make_monotone` then
+    # pulled a whole range of the curve to zero (a context projection priced as free).
+    return v1 + max(v1 - v0, 0.0) * (x - k1) / max(k1 - k0, 1)
 
 
 def scaled(survival: Sequence[float], first: float) -> list[float]:

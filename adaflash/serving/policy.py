@@ -211,10 +211,8 @@ class CostPolicy:
         self, decoding: list[Request], policy: list[int], step: StepProposals, base_rows: int, waiting: bool
     ) -> None:
         """`adaflash-cost`'s choice for the requests at `policy`, written into `step.opts`."""
-        n, k = len(decoding), self.lookup_block
-        bucket = SpeculationGuard.bucket(n)
-        idle = self._idle.get(bucket, 0)
-        gap = self._explore_gap.get(bucket, EXPLORE_EVERY)
+        n, k, bucket = len(decoding), self.lookup_block, SpeculationGuard.bucket(len(decoding))
+        idle, gap = self._idle.get(bucket, 0), self._explore_gap.get(bucket, EXPLORE_EVERY)
         # Whether this step forces a drafter round (`_explore`). Never in a lockstep batch (no
         # queue, several requests), so an overdue one there must not force pricing either: it did,
         # and a C = 8 closed loop priced every step after its first 32.
@@ -241,8 +239,10 @@ class CostPolicy:
             self._explore_gap[bucket] = EXPLORE_EVERY  # the drafter pays here again
         self.steps_since_draft += 1
         plain = len(policy) == n and not base_rows
-        chosen = self._explore(chosen, cands, bucket, gap, n, plain, explore_due)
-        for i, o in zip(policy, chosen, strict=True):
+        forced = self._explore(list(chosen), cands, bucket, gap, n, plain, explore_due)
+        was = zip(policy, chosen, forced, strict=True)
+        step.explore = next((i for i, a, b in was if b.proposer == "drafter" and a is not b), None)
+        for i, o in zip(policy, forced, strict=True):
             step.opts[i] = o
         if any(o.proposer == "drafter" for o in chosen):
             self.steps_since_draft = 0
@@ -290,20 +290,17 @@ class CostPolicy:
         plain: bool,
         explore_due: bool,
     ) -> list[Option]:
-        """The guard's plain step now and then (when the whole step is the policy's decodes), or,
-        when `explore_due` (every `gap` steps), one forced drafter round, to keep â and the
-        drafter's stats fresh. Not in a lockstep batch (no queue, several requests): there one
-        request's drafter round saves the batch no step, and it pays the drafter's context
-        projection of that request's whole prompt plus a block of verify rows (0.19 s of a
-        profiled 62 s C = 8 sql cell); the next step with a queue, or a lone request, explores
-        instead."""
+        """The guard's plain step now and then (when the whole step is the policy's decodes), or, when
+        `explore_due` (every `gap` steps), one forced drafter round, to keep â and the drafter's
+        stats fresh. Not in a lockstep batch (no queue, several requests): one request's round there
+        saves the batch no step and pays its whole prompt's context projection plus a block of verify
+        rows (0.19 s of a profiled 62 s C = 8 sql cell); a later step with a queue explores instead."""
         if self.guard.want_plain_step(n) and plain:
             return [Option("none", 0, 0.0)] * len(chosen)  # measure what plain steps deliver
         if explore_due:
-            # One request drafts its full room, in turn: a fresh â and acceptance sample for the
-            # price of one block, not a batch of full-block verifies.
-            # Not a request whose queued context would cost more than a block forward this round
-            # (it explores once it has drafted, or its successor does).
+            # One request drafts its full room, in turn (`_refine` keeps it): a fresh â and acceptance
+            # sample for one block's price. Not one whose queued context costs more than a block
+            # forward this round (it explores once it has drafted, or its successor does).
             block = self.costs.drafter_block(1)
             able = [j for j, c in enumerate(cands) if c.drafter_limit and c.drafter_setup <= block]
             if able:
@@ -429,6 +426,8 @@ class CostPolicy:
         extra = self.costs.target(rows + 1, self._requests) - self.costs.target(rows, self._requests)
         lm_price = self._penalty * self.costs.drafter_lm(rows) / rows
         o = _pick(cand, step.rate, max(self._penalty * extra, 0.0), lm_price, 0.0)
+        if i == step.explore:  # a forced round is an acceptance sample: verified as drafted, not refined
+            o = Option("drafter", cand.drafter_limit, sum(cand.drafter_survival))
         step.opts[i] = o
         if o.proposer == "drafter":  # what â promised, to measure the table and the request against
             priced = sum(self._drafter_survival(r, a, realised=False)[: o.drafts])

@@ -106,3 +106,4 @@ class StepProposals:
     drafts: list[list[int]] = field(default_factory=list)
     probs: list[torch.Tensor | None] = field(default_factory=list)
     a_hat: list[float | None] = field(default_factory=list)
+    explore: int | None = None  # the request forced to draft its full room this step (an acceptance sample)
