@@ -239,10 +239,9 @@ class CostPolicy:
             self._explore_gap[bucket] = EXPLORE_EVERY  # the drafter pays here again
         self.steps_since_draft += 1
         plain = len(policy) == n and not base_rows
-        forced = self._explore(list(chosen), cands, bucket, gap, n, plain, explore_due)
-        was = zip(policy, chosen, forced, strict=True)
-        step.explore = next((i for i, a, b in was if b.proposer == "drafter" and a is not b), None)
-        for i, o in zip(policy, forced, strict=True):
+        chosen, forced = self._explore(chosen, cands, bucket, gap, n, plain, explore_due)
+        step.explore = None if forced is None else policy[forced]
+        for i, o in zip(policy, chosen, strict=True):
             step.opts[i] = o
         if any(o.proposer == "drafter" for o in chosen):
             self.steps_since_draft = 0
@@ -289,14 +288,15 @@ class CostPolicy:
         n: int,
         plain: bool,
         explore_due: bool,
-    ) -> list[Option]:
+    ) -> tuple[list[Option], int | None]:
         """The guard's plain step now and then (when the whole step is the policy's decodes), or, when
         `explore_due` (every `gap` steps), one forced drafter round, to keep â and the drafter's
         stats fresh. Not in a lockstep batch (no queue, several requests): one request's round there
         saves the batch no step and pays its whole prompt's context projection plus a block of verify
         rows (0.19 s of a profiled 62 s C = 8 sql cell); a later step with a queue explores instead."""
         if self.guard.want_plain_step(n) and plain:
-            return [Option("none", 0, 0.0)] * len(chosen)  # measure what plain steps deliver
+            return [Option("none", 0, 0.0)] * len(chosen), None  # measure what plain steps deliver
+        forced = None  # the index (in `chosen`) of the request forced to draft
         if explore_due:
             # One request drafts its full room, in turn (`_refine` keeps it): a fresh â and acceptance
             # sample for one block's price. Not one whose queued context costs more than a block
@@ -304,11 +304,11 @@ class CostPolicy:
             block = self.costs.drafter_block(1)
             able = [j for j, c in enumerate(cands) if c.drafter_limit and c.drafter_setup <= block]
             if able:
-                j = able[self._explore_turn % len(able)]
+                forced = able[self._explore_turn % len(able)]
                 self._explore_turn += 1
-                chosen[j] = Option("drafter", cands[j].drafter_limit, 0.0)
+                chosen[forced] = Option("drafter", cands[forced].drafter_limit, 0.0)
                 self._explore_gap[bucket] = min(2 * gap, EXPLORE_MAX_GAP)
-        return chosen
+        return chosen, forced
 
     def _lookup(self, name: str, r: Request, k: int) -> list[int]:
         """The request's drafts from one model-free proposer: as many as the block and its
@@ -430,8 +430,8 @@ class CostPolicy:
             o = Option("drafter", cand.drafter_limit, sum(cand.drafter_survival))
         step.opts[i] = o
         if o.proposer == "drafter":  # what â promised, to measure the table and the request against
-            priced = sum(self._drafter_survival(r, a, realised=False)[: o.drafts])
-            self._expected[i] = (self._drafter_survival(None, a)[: o.drafts], priced)
+            raw = self._drafter_survival(None, a)[: o.drafts]  # the table's survival is prefix-wise
+            self._expected[i] = (raw, sum(self.drafter_reliability.survival(raw)))
         return o.drafts if o.proposer == "drafter" else 0
 
     # --- feedback from verification --------------------------------------------------------------
