@@ -229,3 +229,24 @@ def test_records_the_disk_never_takes_are_counted_as_dropped(tmp_path, monkeypat
     producer.close()
     st = producer.stats
     assert st["held"] == 0 and st["dropped"] == 12 and st["sent"] == st["spooled"] == 0
+
+
+def test_a_record_past_the_size_limit_is_dropped_and_the_next_one_still_arrives(tmp_path):
+    """An oversized record (a client-sized label, a huge prompt) is refused by the Kafka client on
+    every try: spooled, it would fail every replay and hold every later record behind it. It is
+    dropped and counted; the records around it arrive."""
+    with running_broker(tmp_path / "broker") as broker:
+        producer = FeedbackProducer(ProducerConfig(broker.bootstrap_servers, tmp_path / "spool"))
+        first, last = _record(1), _record(2)
+        try:
+            producer.send(first)
+            producer.send_raw(b"acme", b"x" * (2 * 2**20))  # past kafka-python's 1 MB max_request_size
+            producer.send(last)
+            assert producer.flush(30)
+            st = producer.stats
+            assert st["oversize_dropped"] == 1 and st["dropped"] == 1
+            assert st["sent"] == 2 and st["spool_records"] == 0 and st["spooled"] == 0
+        finally:
+            producer.close()
+        ids = [parse_record(m.value).record_id for m in read_topic(broker.bootstrap_servers, topics.RAW)]
+    assert sorted(ids) == sorted([first.record_id, last.record_id])

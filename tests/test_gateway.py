@@ -123,3 +123,41 @@ def test_gateway_cli_refuses_missing_or_empty_keys(tmp_path):
     (tmp_path / "empty.json").write_text("{}")
     out = subprocess.run([*cli, "--api-keys", str(tmp_path / "empty.json")], capture_output=True, text=True)
     assert out.returncode == 2 and "non-empty JSON object" in out.stderr
+
+
+def test_gateway_refuses_bad_bodies_survives_its_upstream_and_never_fails_a_served_answer(tiny32):
+    """Bodies that are not a JSON object get a 400, a dead upstream a 502, and a request the
+    upstream answered but whose record cannot be built (`temperature: null`) still gets its whole
+    answer, streamed or not: only its record is lost, and the next request's record is built."""
+    import httpx
+
+    vocab = load_vocabulary("tiny")
+    handed = []
+    with serving(tiny32, None, method="ar") as (_engine, upstream):
+        gw = ServerThread(create_gateway(GatewaySettings(upstream.url, KEYS), vocab, handed.append),
+                          port=free_port()).start()  # fmt: skip
+        dead = ServerThread(
+            create_gateway(GatewaySettings(f"http://127.0.0.1:{free_port()}", KEYS), vocab, handed.append),
+            port=free_port(),
+        ).start()
+        auth = {"Authorization": "Bearer key-acme", "Content-Type": "application/json"}
+        try:
+            with httpx.Client(base_url=gw.url, timeout=60) as c:
+                for raw in (b"\xff{}", b"[1]", b"null", b"[" * 100_000, b'{"prompt": "hi",'):
+                    r = c.post("/v1/completions", content=raw, headers=auth)
+                    assert r.status_code == 400 and "error" in r.json(), (raw[:8], r.status_code)
+                for stream in (False, True):
+                    body = {"prompt": "tell me", "max_tokens": 6, "temperature": None, "stream": stream}
+                    r = c.post("/v1/completions", json=body, headers=auth)
+                    assert r.status_code == 200, r.text[:200]
+                    assert r.text.rstrip().endswith("[DONE]") if stream else r.json()["choices"][0]["text"]
+                assert handed == []
+                r = c.post("/v1/completions", json={"prompt": "tell me", "max_tokens": 6, "temperature": 0},
+                           headers=auth)  # fmt: skip
+                assert r.status_code == 200 and len(handed) == 1 and handed[0].tenant_id == "acme"
+            with httpx.Client(base_url=dead.url, timeout=60) as c:
+                r = c.post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+                assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
+        finally:
+            gw.stop()
+            dead.stop()

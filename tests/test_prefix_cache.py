@@ -231,3 +231,16 @@ def test_a_reused_heads_features_wait_for_a_draft_without_counting(bundle):
     shared.flush()
     for a, b in zip(shared.k + shared.v, counted.k + counted.v, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_tenant_whose_blocks_are_all_evicted_leaves_nothing_behind():
+    """Tenant ids come from clients: one whose last block is evicted must not stay a key of the
+    cache's byte counts (a client sending a new id per request would grow them without end)."""
+    block_bytes = 2 * 2 * 1 * 4 * 4 * 4  # k and v of one 4-token block
+    cache = PrefixCache(PrefixCacheConfig(block_tokens=4, max_mb=2 * block_bytes / 2**20))
+    p = list(range(9))
+    for i in range(50):
+        cache.insert(f"tenant-{i}", p, *_kv(9), None, (), 0)
+    holding = {b.scope for b in cache._blocks.values()}
+    assert set(cache._bytes) == holding and len(holding) <= 2
+    assert cache.stats()["tenants"] == len(holding)

@@ -156,6 +156,16 @@ POISON = [
     ("invalid JSON", C, b'{"prompt": "hi",', 400, ""),
     ("10,000-deep JSON", C, DEEP, 400, ""),
     ("JSON array body", C, b"[1, 2]", 400, ""),
+    # Tenant and domain labels key the caches and every feedback record: bounded and printable.
+    ("user of 10,000 characters", C, {"prompt": "hi", "user": "u" * 10_000}, 400, "user must be"),
+    ("user with a line break", C, {"prompt": "hi", "user": "acme\nforged log line"}, 400, "user must be"),
+    (
+        "domain of 10,000 characters",
+        CH,
+        {"messages": [{"role": "user", "content": "hi"}], "domain": "d" * 10_000},
+        400,
+        "domain must be",
+    ),
 ]
 
 
@@ -170,6 +180,9 @@ def test_poison_requests_get_openai_4xx_and_the_server_keeps_serving(tiny64, ser
             assert "detail" not in r.json() and err["type"] == "invalid_request_error", name
             assert words.lower() in err["message"].lower(), (name, err)
         assert _post(c, C, {"model": "gpt-4o", "prompt": "hi"}).json()["error"]["code"] == "model_not_found"
+        for header in ("X-Tenant-Id", "X-Domain"):
+            r = c.post(C, json={"prompt": "hi", "max_tokens": 2}, headers={header: "t" * 1_000})
+            assert r.status_code == 400 and header in r.json()["error"]["message"], (header, r.text[:200])
         nowhere = c.get("/v1/nowhere")
         assert nowhere.status_code == 404 and "error" in nowhere.json()
         assert c.get("/v1/models/adaflash").json()["id"] == "adaflash"

@@ -70,6 +70,7 @@ class _Stats:
     connected: bool = False
     spool_write_errors: int = 0  # spool writes that failed (ENOSPC, EIO, ...)
     disk_dropped: int = 0  # records neither the broker nor the disk took, beyond the memory hold
+    oversize_dropped: int = 0  # records past the broker's size limit: no retry can deliver them
     extra: dict = field(default_factory=dict)
 
 
@@ -159,14 +160,15 @@ class FeedbackProducer:
             "queued": self._queue.qsize(),
             "spool_write_errors": s.spool_write_errors,
             "held": len(self._held),
-            "dropped": s.spool_dropped + s.disk_dropped,
+            "oversize_dropped": s.oversize_dropped,
+            "dropped": s.spool_dropped + s.disk_dropped + s.oversize_dropped,
             "degraded": self.degraded,
         }
 
     def health(self) -> dict:
         """What /health shows: cheap (no filesystem), read from another thread."""
         s = self._stats
-        dropped = s.spool_dropped + s.disk_dropped
+        dropped = s.spool_dropped + s.disk_dropped + s.oversize_dropped
         return {"degraded": self._degraded, "held": len(self._held), "dropped": dropped,
                 "spool_write_errors": s.spool_write_errors}  # fmt: skip
 
@@ -225,8 +227,9 @@ class FeedbackProducer:
         memory go out before `batch`, oldest first."""
         if (batch or self._held) and self._ensure_producer() and self._replay_spool():
             items = self._take_held() + batch
+            oversize = self._stats.oversize_dropped
             failed = self._produce(items)
-            self._stats.sent += len(items) - len(failed)
+            self._stats.sent += len(items) - len(failed) - (self._stats.oversize_dropped - oversize)
             if failed:
                 self._spool(failed)
             elif self._degraded and not self._held:
@@ -301,19 +304,27 @@ class FeedbackProducer:
         return True
 
     def _produce(self, items: list) -> list:
-        """Send and wait for acknowledgements; returns the items that were not acknowledged."""
-        from kafka.errors import KafkaError
+        """Send and wait for acknowledgements; returns the items that were not acknowledged.
+
+        A record past the size limit (the client's `max_request_size` or the broker's) is dropped
+        and counted, not returned: spooled, it would fail every replay and hold every later record
+        behind it in the spool."""
+        from kafka.errors import KafkaError, MessageSizeTooLargeError
 
         futures = []
         failed = []
         for key, value in items:
             try:
                 futures.append(((key, value), self._producer.send(self.config.topic, key=key, value=value)))
+            except MessageSizeTooLargeError:
+                self._oversize(value)
             except (KafkaError, OSError):
                 failed.append((key, value))
         for item, fut in futures:
             try:
                 fut.get(timeout=10)
+            except MessageSizeTooLargeError:
+                self._oversize(item[1])
             except (KafkaError, OSError):
                 failed.append(item)
         if failed:
@@ -329,6 +340,10 @@ class FeedbackProducer:
             self._drop_producer()
             return list(items)
         return failed
+
+    def _oversize(self, value: bytes) -> None:
+        self._stats.oversize_dropped += 1
+        log.error("feedback record of %d bytes is past the broker's size limit: dropped", len(value))
 
     def _broker_answers(self) -> bool:
         return any(
@@ -425,10 +440,11 @@ class FeedbackProducer:
                 if line.strip():
                     d = json.loads(line)
                     items.append((d["k"].encode() if d["k"] is not None else None, d["v"].encode()))
+            oversize = self._stats.oversize_dropped
             failed = self._produce(items)
             if failed:
                 return False
             path.unlink(missing_ok=True)
-            self._stats.replayed += len(items)
+            self._stats.replayed += len(items) - (self._stats.oversize_dropped - oversize)
             self._stats.spool_records -= len(items)
         return True

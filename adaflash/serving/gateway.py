@@ -11,9 +11,10 @@ random anchors). The tenant comes from the API key; a request without a known ke
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,7 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from adaflash.feedback.schema import FeedbackRecord, Latency, SamplingParams
 from adaflash.models.targets import Vocabulary
-from adaflash.serving.protocol import ChatMessage, chat_prompt_ids
+from adaflash.serving.protocol import LABEL_MAX, ChatMessage, chat_prompt_ids
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +37,18 @@ class GatewaySettings:
     block_size: int = 16
     timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
+
+
+def _error(status: int, msg: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": msg, "type": kind}}, status_code=status)
+
+
+def _domain(body: dict) -> str | None:
+    """The record's domain label from `metadata.domain`, when it is a short printable string (the
+    upstream decides on the request; the record only drops a label it cannot key by)."""
+    meta = body.get("metadata")
+    d = meta.get("domain") if isinstance(meta, dict) else None
+    return d if isinstance(d, str) and len(d) <= LABEL_MAX and d.isprintable() else None
 
 
 def _unauthorized(msg: str) -> JSONResponse:
@@ -68,7 +83,7 @@ def feedback_record(vocab: Vocabulary, settings: GatewaySettings, ex: Exchange, 
         request_id=upstream_meta.get("id") or uuid.uuid4().hex,
         tenant_id=ex.tenant,
         consent=ex.consent,
-        domain=body.get("metadata", {}).get("domain") if isinstance(body.get("metadata"), dict) else None,
+        domain=_domain(body),
         target_fingerprint=vocab.fingerprint,
         drafter_version=meta.get("drafter_version") or settings.drafter_version,
         method=settings.method,
@@ -144,8 +159,15 @@ def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAP
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         return settings.api_keys.get(key)
 
-    def finished(ex: Exchange, text: str, meta: dict, t_first: float | None) -> None:
-        send(feedback_record(vocab, settings, ex, text, meta, t_first))
+    def finished(ex: Exchange, output: Callable[[], tuple[str, dict]], t_first: float | None) -> None:
+        """Queue the exchange's record. The client already has its answer: a request the upstream
+        accepted but the record cannot be built from (a field of a type the schema refuses) loses
+        its record, never the response. Only the error's type is logged: its message may quote
+        the request's text."""
+        try:
+            send(feedback_record(vocab, settings, ex, *output(), t_first))
+        except Exception as e:  # noqa: BLE001 - any failure here must stay off the response path
+            log.warning("gateway: no feedback record for a %s exchange (%s)", ex.tenant, type(e).__name__)
 
     async def proxy(req: Request, path: str, chat: bool) -> Response:
         tenant = tenant_of(req)
@@ -154,20 +176,23 @@ def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAP
         raw = await req.body()
         try:
             body = json.loads(raw)
-        except json.JSONDecodeError:
-            return JSONResponse(
-                {"error": {"message": "body is not JSON", "type": "invalid_request_error"}}, 400
-            )
+        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, nesting past Python's stack
+            return _error(400, "body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
         consent = req.headers.get("x-feedback-consent", "true").lower() != "false"
         headers = {"content-type": "application/json", "x-tenant-id": tenant}
         ex = Exchange(body, chat, tenant, consent, time.perf_counter())
         upstream = client.build_request("POST", path, content=raw, headers=headers)
-        resp = await client.send(upstream, stream=True)
+        try:
+            resp = await client.send(upstream, stream=True)
+        except httpx.HTTPError as e:  # the upstream is down or timed out: the gateway is fine
+            return _error(502, f"upstream unavailable ({type(e).__name__})", "server_error")
         if not body.get("stream"):
             data = await resp.aread()
             await resp.aclose()
             if resp.status_code == 200:
-                finished(ex, *response_output(json.loads(data), chat), None)
+                finished(ex, lambda: response_output(json.loads(data), chat), None)
             return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
         async def relay() -> AsyncIterator[bytes]:
@@ -180,7 +205,7 @@ def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAP
             finally:
                 await resp.aclose()
             if resp.status_code == 200:
-                finished(ex, *out.output(), t_first)
+                finished(ex, out.output, t_first)
 
         return StreamingResponse(
             relay(), status_code=resp.status_code, media_type=resp.headers.get("content-type")

@@ -168,6 +168,8 @@ class PrefixCache:
         del self._ids[(blk.scope, blk.parent, blk.tokens)]
         del self._lru[bid]
         self._bytes[blk.scope] -= blk.nbytes
+        if self._bytes[blk.scope] <= 0:  # its last block: a tenant id that never comes back is not kept
+            del self._bytes[blk.scope]
         if blk.parent in self._blocks:
             self._blocks[blk.parent].children.discard(bid)
         self.evicted += 1

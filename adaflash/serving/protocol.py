@@ -147,6 +147,17 @@ def error_response(
     return JSONResponse({"error": err}, status_code=status, headers=headers)
 
 
+# A tenant id or domain label (`user`, `domain`, `X-Tenant-Id`, `X-Domain`) keys the prefix and suffix
+# caches and every feedback record: bounded, so a client cannot grow server memory or push a record
+# past the broker's size limit with one, and printable, so it cannot forge lines in a log.
+LABEL_MAX = 128
+
+
+def check_label(value: str | None, name: str) -> None:
+    if value is not None and (len(value) > LABEL_MAX or not value.isprintable()):
+        raise InputError(f"{name} must be at most {LABEL_MAX} printable characters")
+
+
 def check_text(value: Any, where: str = "request") -> None:
     """Every string in a parsed JSON value must be valid Unicode text (JSON lets a client send a
     lone surrogate such as "\\ud800", which no tokenizer can encode). Iterative: any depth."""

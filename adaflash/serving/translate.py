@@ -24,6 +24,7 @@ from adaflash.serving.protocol import (
     ModelNotFound,
     RequestBody,
     chat_prompt_ids,
+    check_label,
     check_text,
     parse_body,
 )
@@ -75,6 +76,8 @@ class Translator:
                 f"The model {body.model!r} does not exist (this server serves {settings.model_name!r})"
             )
         check_text(body.model_dump(), "the request")
+        check_label(body.user, "user")
+        check_label(body.domain, "domain")
         _refuse_unsupported(body.model_extra or {})
         n = 1 if body.n is None else body.n
         if not 1 <= n <= settings.max_n:
@@ -170,6 +173,8 @@ def _off(headers, name: str, default: str, offs: tuple[str, ...]) -> bool:
 def choice_request(p: Prepared, i: int, headers) -> Request:
     """The engine request for choice i of `p`, with the tenant and flags its headers carry."""
     body = p.body
+    check_label(headers.get("x-tenant-id"), "X-Tenant-Id")
+    check_label(headers.get("x-domain"), "X-Domain")
     params = dataclasses.replace(p.params, seed=choice_seed(p.params.seed, i))
     return Request(
         p.ids,
