@@ -227,9 +227,8 @@ class FeedbackProducer:
         memory go out before `batch`, oldest first."""
         if (batch or self._held) and self._ensure_producer() and self._replay_spool():
             items = self._take_held() + batch
-            oversize = self._stats.oversize_dropped
-            failed = self._produce(items)
-            self._stats.sent += len(items) - len(failed) - (self._stats.oversize_dropped - oversize)
+            failed, oversize = self._produce(items)
+            self._stats.sent += len(items) - len(failed) - oversize
             if failed:
                 self._spool(failed)
             elif self._degraded and not self._held:
@@ -303,8 +302,9 @@ class FeedbackProducer:
         self._stats.connected = True
         return True
 
-    def _produce(self, items: list) -> list:
-        """Send and wait for acknowledgements; returns the items that were not acknowledged.
+    def _produce(self, items: list) -> tuple[list, int]:
+        """Send and wait for acknowledgements; returns the items that were not acknowledged and
+        how many were dropped as oversize.
 
         A record past the size limit (the client's `max_request_size` or the broker's) is dropped
         and counted, not returned: spooled, it would fail every replay and hold every later record
@@ -313,37 +313,38 @@ class FeedbackProducer:
 
         futures = []
         failed = []
+        oversize = []
         for key, value in items:
             try:
                 futures.append(((key, value), self._producer.send(self.config.topic, key=key, value=value)))
             except MessageSizeTooLargeError:
-                self._oversize(value)
+                oversize.append(value)
             except (KafkaError, OSError):
                 failed.append((key, value))
         for item, fut in futures:
             try:
                 fut.get(timeout=10)
             except MessageSizeTooLargeError:
-                self._oversize(item[1])
+                oversize.append(item[1])
             except (KafkaError, OSError):
                 failed.append(item)
+        for value in oversize:
+            log.error("feedback record of %d bytes is past the broker's size limit: dropped", len(value))
+        self._stats.oversize_dropped += len(oversize)
         if failed:
             self._stats.send_errors += len(failed)
             self._drop_producer()
-        elif items and not self._broker_answers():
+        elif futures and not self._broker_answers():
             # Acknowledged by a broker that no longer takes connections (shutting down): what it
-            # acknowledged may die with it. Not delivered: spool and replay.
+            # acknowledged may die with it. Not delivered: spool and replay (never an oversize one).
+            acked = [item for item, _ in futures]
             log.warning(
-                "feedback broker stopped answering after acknowledging %d records: spooling them", len(items)
+                "feedback broker stopped answering after acknowledging %d records: spooling them", len(acked)
             )
-            self._stats.unconfirmed += len(items)
+            self._stats.unconfirmed += len(acked)
             self._drop_producer()
-            return list(items)
-        return failed
-
-    def _oversize(self, value: bytes) -> None:
-        self._stats.oversize_dropped += 1
-        log.error("feedback record of %d bytes is past the broker's size limit: dropped", len(value))
+            return acked, len(oversize)
+        return failed, len(oversize)
 
     def _broker_answers(self) -> bool:
         return any(
@@ -440,11 +441,10 @@ class FeedbackProducer:
                 if line.strip():
                     d = json.loads(line)
                     items.append((d["k"].encode() if d["k"] is not None else None, d["v"].encode()))
-            oversize = self._stats.oversize_dropped
-            failed = self._produce(items)
+            failed, oversize = self._produce(items)
             if failed:
                 return False
             path.unlink(missing_ok=True)
-            self._stats.replayed += len(items) - (self._stats.oversize_dropped - oversize)
+            self._stats.replayed += len(items) - oversize
             self._stats.spool_records -= len(items)
         return True

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from adaflash.feedback.schema import FeedbackRecord, Latency, SamplingParams
 from adaflash.models.targets import Vocabulary
-from adaflash.serving.protocol import LABEL_MAX, ChatMessage, chat_prompt_ids
+from adaflash.serving.protocol import LABEL_MAX, ChatMessage, chat_prompt_ids, error_response
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,6 @@ class GatewaySettings:
     block_size: int = 16
     timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
-
-
-def _error(status: int, msg: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": msg, "type": kind}}, status_code=status)
 
 
 def _domain(body: dict) -> str | None:
@@ -177,9 +173,9 @@ def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAP
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8, nesting past Python's stack
-            return _error(400, "body is not JSON")
+            return error_response(400, "body is not JSON")
         if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object")
+            return error_response(400, "body must be a JSON object")
         consent = req.headers.get("x-feedback-consent", "true").lower() != "false"
         headers = {"content-type": "application/json", "x-tenant-id": tenant}
         ex = Exchange(body, chat, tenant, consent, time.perf_counter())
@@ -187,7 +183,7 @@ def create_gateway(settings: GatewaySettings, vocab: Vocabulary, send) -> FastAP
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:  # the upstream is down or timed out: the gateway is fine
-            return _error(502, f"upstream unavailable ({type(e).__name__})", "server_error")
+            return error_response(502, f"upstream unavailable ({type(e).__name__})", "server_error")
         if not body.get("stream"):
             data = await resp.aread()
             await resp.aclose()
