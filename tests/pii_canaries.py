@@ -218,6 +218,44 @@ TUNING_ENTRIES = [
     ("credit_card", "card: ⟦5500.0055.5555.5559⟧"),
     # -- IPv6 / MAC -------------------------------------------------------------------------------
     ("ip", "my home router is ⟦2a02:8071:2b84:4f00:1d4c:9e2f:a1b3:77c2⟧"),
+    # -- hidden by invisible or lookalike characters (a probe's finds; pii_normalise) --------------
+    ("hidden_chars", "Call me on ⟦+33\u202f6\u202f12\u202f34\u202f56\u202f78⟧ tonight"),
+    ("hidden_chars", "my card is ⟦4539\u00a01488\u00a00343\u00a06467⟧"),
+    ("hidden_chars", "card ⟦4539\u200b1488\u200b0343\u200b6467⟧ exp 04/27"),
+    ("hidden_chars", "card number ⟦4539\u00ad1488\u00ad0343\u00ad6467⟧"),
+    ("hidden_chars", "téléphone : ⟦０６１２３４５６７８⟧"),
+    ("hidden_chars", '{"tool": "send_email", "args": {"to": "⟦camille.lefevre\\u0040orange.fr⟧"}}'),
+    # -- dotted numbers that are not versions --------------------------------------------------------
+    ("dotted_id", "mon portable: ⟦06.12.34.56.78⟧"),
+    ("dotted_id", "AHV-Nummer ⟦756.1234.5678.97⟧"),
+    ("dotted_id", "my RUT is ⟦12.345.678-5⟧"),
+    # -- more national ids ---------------------------------------------------------------------------
+    ("national_id_more", "TC kimlik no: ⟦10234567828⟧"),
+    ("national_id_more", "CNP ⟦1870315412341⟧"),
+    ("national_id_more", "ИНН ⟦7707083893⟧"),
+    ("national_id_more", "マイナンバー ⟦123456789018⟧"),
+    ("national_id_more", "PPS number ⟦1234567T⟧"),
+    ("national_id_more", "CURP: ⟦BADD110313HCMLNS06⟧"),
+    ("national_id_more", "his IC is ⟦S1234567D⟧"),
+    # -- names in more scripts, and Latin names typed without capitals -------------------------------
+    ("script_name_more", "আমার নাম ⟪রবীন্দ্রনাথ ঠাকুর⟫"),
+    ("script_name_more", "என் பெயர் ⟪அருண் குமார்⟫"),
+    ("script_name_more", "ჩემი სახელია ⟪გიორგი ბერიძე⟫"),
+    ("script_name_more", "Իմ անունը ⟪Արամ Խաչատրյան⟫ է"),
+    ("script_name_more", "મારું નામ ⟪રાજેશ પટેલ⟫ છે"),
+    ("caseless_name", "hi, my name is ⟪john smith⟫ and I need help"),
+    ("caseless_name", "MY NAME IS ⟪JOHN SMITH⟫"),
+    ("caseless_name", "Regards,\n⟪maria gonzalez⟫"),
+    # -- secrets behind prefixed keys and on command lines ----------------------------------------
+    ("cli_secret", "MYSQL_ROOT_PASSWORD: ⟦Xk9#mQ2vLp7z⟧"),
+    ("cli_secret", "curl -u admin:⟦S3cr3tP4ss⟧ https://api.example.com/v1"),
+    ("cli_secret", "sshpass -p '⟦Tr0ub4dor&3⟧' ssh deploy@build01"),
+    # -- addresses, dates and places in other shapes ----------------------------------------------
+    ("street_numbered", "I live at ⟦350 5th Avenue⟧, New York"),
+    ("street_numbered", "ship it to ⟦221 W 42nd St⟧, Apt 4"),
+    ("dob_abbrev", "DOB: ⟦14-Mar-1987⟧"),
+    ("gps_loose", "I'm at ⟦48.8584 2.2945⟧ right now"),
+    ("gps_loose", "coordinates ⟦48.8584°N 2.2945°E⟧"),
 ]
 
 TUNING = parse(TUNING_ENTRIES)

@@ -176,7 +176,7 @@ def test_rejects_requests_it_cannot_serve(tiny64):
     with pytest.raises(InputError, match="temperature"):
         engine.submit(Request([256], GenParams(temperature=-1)))
     with pytest.raises(InputError, match="vocabulary"):
-        engine.submit(Request([9999], GenParams()))
+        engine.submit(Request([9999], GenParams(max_tokens=8)))
 
 
 def test_hot_reload_is_lossless_and_bad_checkpoints_are_rejected(tiny64, trained, ar_ref, tmp_path):

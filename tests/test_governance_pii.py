@@ -14,6 +14,7 @@ import logging
 import random
 import re
 import sqlite3
+import unicodedata
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -55,8 +56,16 @@ def _corpus_records(vocab, corpus: list[Canary], seed: int) -> list[tuple[Feedba
     return out
 
 
+def _seen(s: str) -> str:
+    """What a reader sees: NFKC, invisible format characters gone, every space a plain one."""
+    s = unicodedata.normalize("NFKC", s)
+    s = "".join(c for c in s if unicodedata.category(c) != "Cf")
+    return re.sub(r"\s", " ", s).replace("\\u0040", "@")
+
+
 def _leaks(c: Canary, text: str) -> list[str]:
-    bad = [s for s in c.secrets if s in text]
+    seen = _seen(text)
+    bad = [s for s in c.secrets if s in text or _seen(s) in seen]
     bad += [p for p in c.name_parts if re.search(rf"(?<!\w){re.escape(p)}(?!\w)", text)]
     return bad
 

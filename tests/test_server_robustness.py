@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -166,6 +168,10 @@ POISON = [
         400,
         "domain must be",
     ),
+    # A stop sequence is held back while streaming by a check quadratic in its length.
+    ("stop of 100,000 characters", C, {"prompt": "hi", "stop": ["x" * 100_000]}, 400, "stop sequence"),
+    # Refused on its length before any scan or decode of its million ids.
+    ("million-id prompt", C, {"prompt": [256] * 1_000_000, "max_tokens": 4}, 400, "exceeds"),
 ]
 
 
@@ -623,3 +629,58 @@ def test_speculative_sampling_is_lossless_under_top_k_and_top_p(top_p, top_k):
         assert _chi2_pvalue(counts[support], law[support]) > 1e-3
     else:
         assert float(chisquare(counts[support].numpy(), (law[support] * samples).numpy()).pvalue) > 1e-3
+
+
+def test_a_choice_that_fails_to_queue_takes_its_siblings_with_it(tiny64, trained, monkeypatch):
+    """An unexpected error while queueing choice 2 of 3: a 500, the choices already queued are
+    cancelled (nobody would read them), and the server goes on serving."""
+    with serving(tiny64, trained, method="dflash", max_running=8, max_queue=32) as (engine, srv):
+        real, queued = engine.submit, []
+
+        def flaky(req):
+            if len(queued) == 2:
+                raise RuntimeError("injected")
+            queued.append(real(req))
+            return req
+
+        monkeypatch.setattr(engine, "submit", flaky)
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = _post(c, C, {"prompt": PROMPT, "max_tokens": 200, "n": 3, "temperature": 0})
+            assert r.status_code == 500, r.text[:200]
+            assert len(queued) == 2 and all(q.cancelled or q.finished for q in queued)
+            monkeypatch.setattr(engine, "submit", real)
+            ok = _post(c, C, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == _ref(tiny64, PROMPT, 12)
+        assert engine.failure is None
+
+
+def test_a_full_queue_refuses_before_preparing_the_body(tiny64, monkeypatch):
+    """While as many bodies as the queue holds are being prepared, the next request is a 429 at
+    once: its body is never parsed or tokenised (a flood never piles up worker threads)."""
+    from adaflash.serving.translate import Translator
+
+    gate, entered = threading.Event(), []
+    real = Translator.prepare
+
+    def slow(self, raw, chat):
+        entered.append(raw)
+        gate.wait(30)
+        return real(self, raw, chat)
+
+    monkeypatch.setattr(Translator, "prepare", slow)
+    with serving(tiny64, None, method="ar", max_running=2, max_queue=2) as (engine, srv):
+
+        def post(_):
+            body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+            return httpx.post(srv.url + C, json=body, timeout=60)
+
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, i) for i in range(2)]
+            deadline = time.monotonic() + 10
+            while len(entered) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r = httpx.post(srv.url + C, json={"prompt": PROMPT, "max_tokens": 3}, timeout=10)
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, r.text[:200]
+            assert len(entered) == 2  # the refused body never reached prepare
+            gate.set()
+            assert [h.result().status_code for h in held] == [200, 200]

@@ -58,9 +58,11 @@ _STREET_SUFFIX = (
     r"(?:Street|St|Avenue|Ave|Road|Rd|Boulevard|Blvd|Lane|Ln|Drive|Dr|Court|Ct|Way|Place|Pl|"
     r"Terrace|Circle|Parkway|Pkwy|Highway|Hwy|Square|Sq)"
 )
-# "1600 Pennsylvania Avenue NW, Washington, DC 20500", "42 Elm St., Apt 5"
+# "1600 Pennsylvania Avenue NW, Washington, DC 20500", "42 Elm St., Apt 5", "221 W 42nd St"
 STREET_ADDRESS_REGEX = (
-    r"\b\d{1,6}\s+(?:[A-Z][A-Za-z'\-]+\s+){1,4}" + _STREET_SUFFIX + r"\b\.?"
+    r"\b\d{1,6}\s+(?:(?:[A-Z][A-Za-z'\-]+|\d{1,4}(?:st|nd|rd|th)|[NSEW]\.?)\s+){1,4}"
+    + _STREET_SUFFIX
+    + r"\b\.?"
     r"(?:\s+(?:N|S|E|W|NE|NW|SE|SW)\b)?"
     r"(?:,?\s+(?:Apt|Apartment|Suite|Ste|Unit|#)\.?\s*[\w\-]+)?"
     r"(?:,\s*[A-Z][A-Za-z]+(?:\s+[A-Z][A-Za-z]+)*)?"
@@ -294,6 +296,14 @@ def _drop_false_positive(entity: str, value: str, text: str, strict: bool = True
     return len(words) == 1 and bool(_CODE_HINT.search(text))
 
 
+def _reads(text: str, span: Span) -> str:
+    """A span's value as the detectors read it: its surrogate copies that shape, not a zero-width
+    space or a JSON escape that hid it (`pii_normalise`)."""
+    from adaflash.governance.pii_normalise import normalise
+
+    return normalise(text[span.start : span.end]).text
+
+
 def _plausible(entity: str, text: str) -> bool:
     if entity != "PERSON":
         return True
@@ -372,51 +382,60 @@ class PiiScrubber:
         return self.analyzer.nlp_engine.nlp["en"]
 
     def detect(self, texts: list[str]) -> list[tuple[list[Span], list[str]]]:
-        """Both layers: (merged spans without replacements, unsure reasons) per text."""
-        from adaflash.governance.pii_kinds import kind_hits, rule_hits
-        from adaflash.governance.pii_rules import second_pass
-        from adaflash.governance.pii_scripts import non_latin_name
+        """Both layers: (merged spans without replacements, unsure reasons) per text. They read
+        each text as a human would (`pii_normalise`); spans come back in the original's offsets."""
+        from adaflash.governance.pii_normalise import normalise
 
+        norms = [normalise(t) for t in texts]
         results = self.batch.analyze_iterator(
-            texts,
+            [n.text for n in norms],
             language="en",
             batch_size=self.batch_size,
             entities=self.entities + (["LOCATION"] if self.second_pass else []),
             score_threshold=self.score_threshold,
         )
         out = []
-        for text, found in zip(texts, results, strict=True):
-            regions = protected(text)
-            first: list[Span] = []
-            for r in found:
-                if r.entity_type == "LOCATION":
-                    continue
-                span = Span(r.start, r.end, r.entity_type)
-                if self.second_pass and span.entity == "PERSON":
-                    span = _widen_name(text, span)  # judge the whole name, not the part spaCy saw
-                if not _drop_false_positive(span.entity, text[span.start : span.end], text):
-                    first.append(span)
-            unsure: list[str] = []
-            second: list[Span] = []
-            if self.second_pass:
-                sp = second_pass(text, regions)
-                kind_hits(text, sp.hits, regions)
-                second += split_turn_hits(text, rule_hits) + encoded_hits(text, regions, rule_hits)
-                # spaCy's places veto the name lists ("San Francisco" is not a person).
-                places = [(r.start, r.end) for r in found if r.entity_type == "LOCATION"]
-                for h in sp.hits:
-                    if h.entity != "PERSON" or non_latin_name(text[h.start : h.end]):
-                        second.append(Span(h.start, h.end, h.entity))
-                        continue
-                    if not h.cue and any(a < h.end and h.start < b for a, b in places):
-                        continue
-                    span = _widen_name(text, Span(h.start, h.end, h.entity))
-                    if not _drop_false_positive(span.entity, text[span.start : span.end], text, strict=False):
-                        second.append(span)
-                unsure = sp.unsure
-            kept = [s for s in first + second if keep(s, text, regions)]
-            out.append((merge_spans(kept), unsure))
+        for norm, found in zip(norms, results, strict=True):
+            spans, unsure = self._detect_one(norm.text, found)
+            out.append((merge_spans([norm.original(s) for s in spans]), unsure))
         return out
+
+    def _detect_one(self, text: str, found: list) -> tuple[list[Span], list[str]]:
+        """One (normalised) text: its merged spans and unsure reasons, from Presidio's `found`."""
+        from adaflash.governance.pii_kinds import kind_hits, rule_hits
+        from adaflash.governance.pii_rules import second_pass
+        from adaflash.governance.pii_scripts import non_latin_name
+
+        regions = protected(text)
+        first: list[Span] = []
+        for r in found:
+            if r.entity_type == "LOCATION":
+                continue
+            span = Span(r.start, r.end, r.entity_type)
+            if self.second_pass and span.entity == "PERSON":
+                span = _widen_name(text, span)  # judge the whole name, not the part spaCy saw
+            if not _drop_false_positive(span.entity, text[span.start : span.end], text):
+                first.append(span)
+        unsure: list[str] = []
+        second: list[Span] = []
+        if self.second_pass:
+            sp = second_pass(text, regions)
+            kind_hits(text, sp.hits, regions)
+            second += split_turn_hits(text, rule_hits) + encoded_hits(text, regions, rule_hits)
+            # spaCy's places veto the name lists ("San Francisco" is not a person).
+            places = [(r.start, r.end) for r in found if r.entity_type == "LOCATION"]
+            for h in sp.hits:
+                if h.entity != "PERSON" or h.judged or non_latin_name(text[h.start : h.end]):
+                    second.append(Span(h.start, h.end, h.entity))
+                    continue
+                if not h.cue and any(a < h.end and h.start < b for a, b in places):
+                    continue
+                span = _widen_name(text, Span(h.start, h.end, h.entity))
+                if not _drop_false_positive(span.entity, text[span.start : span.end], text, strict=False):
+                    second.append(span)
+            unsure = sp.unsure
+        kept = [s for s in first + second if keep(s, text, regions)]
+        return merge_spans(kept), unsure
 
     def scrub(self, texts: list[str], groups: list | None = None) -> list[ScrubResult]:
         """Scrub `texts`; texts with the same `groups` value (one record) share their surrogates."""
@@ -438,7 +457,7 @@ class PiiScrubber:
             for i, sp in zip(idx, spans, strict=True):
                 text = texts[i]
                 if sur is not None:
-                    sp = [_replace(s, replacement=sur.surrogate(s.entity, text[s.start : s.end])) for s in sp]
+                    sp = [_replace(s, replacement=sur.surrogate(s.entity, _reads(text, s))) for s in sp]
                 masked = replace_spans(text, [_replace(s, replacement=None) for s in sp])
                 results[i] = ScrubResult(replace_spans(text, sp), sp, list(detected[i][1]), masked)
         return results  # type: ignore[return-value]

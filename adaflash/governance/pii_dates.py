@@ -33,6 +33,8 @@ _DATE = re.compile(
     rf"|{_YEAR}\s?[年년]\s?\d{{1,2}}\s?[月월]\s?\d{{1,2}}\s?[日일]?"  # 1990年3月14日, 1990년 3월 14일
     rf"|\d{{1,2}}(?:st|nd|rd|th|\.)?\s+(?:of\s+|de\s+)?{_MONTH},?\s+(?:de\s+)?{_YEAR}"  # 14th of March, 1990
     rf"|{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+{_YEAR}"  # March 14th, 1990
+    rf"|\d{{1,2}}[\-/]{_MONTH}[\-/](?:{_YEAR}|\d{{2}})"  # 14-Mar-1987, 14/mar/87
+    rf"|{_MONTH}[\-/]\d{{1,2}}[\-/]{_YEAR}"  # Mar-14-1987
     r")(?!\d)",
     re.IGNORECASE,
 )

@@ -49,6 +49,9 @@ _VERSION_CUE = re.compile(
 _ID_NEAR = re.compile(
     r"(?i)\bbsn|burgerservice|sofinummer|\bid\b|identi|national|citizen|personal|nummer|number"
 )
+# Dotted digit groups that are someone's number, not a version: a French phone (06.12.34.56.78),
+# a Swiss AHV number (756.1234.5678.97), a Chilean RUT (12.345.678-5).
+_DOTTED_ID = re.compile(r"\d{2}(?:\.\d{2}){4}|756\.\d{4}\.\d{4}\.\d{2}|\d{1,2}\.\d{3}\.\d{3}-[\dkK]")
 _DECIMAL = re.compile(r"(?<![\d.])\d+\.\d{4,}(?:[eE][+\-]?\d+)?(?![\d.])")
 _MATH_HINT = re.compile(
     r"(?i)\bhow (?:many|much|long|far)\b|\bsolve\b|\bcalculate\b|\bcompute\b|\bfind x\b|\bwhat is \d|"
@@ -126,6 +129,10 @@ def protected(text: str) -> list[tuple[int, int]]:
             continue
         if _ID_NEAR.search(text, max(0, m.start() - 40), m.start()):  # "BSN 1384.14.890": an id
             continue
+        if dotted_identifier(tok) or (
+            sum(c.isdigit() for c in tok) >= 7 and _PII_CUE.search(text, max(0, m.start() - 40), m.start())
+        ):  # "tel. 06.12.34.56.78", "AHV 756.1234.5678.97"
+            continue
         if (
             tok.count(".") >= 2
             or tok.startswith("v")
@@ -134,6 +141,11 @@ def protected(text: str) -> list[tuple[int, int]]:
             out.append(m.span())
     out += [m.span() for m in _DECIMAL.finditer(text)]
     return out
+
+
+def dotted_identifier(token: str) -> bool:
+    """A dotted run of digit groups shaped like a phone number or a national id, not a version."""
+    return _DOTTED_ID.fullmatch(token) is not None
 
 
 def _mathy(text: str) -> bool:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 
 from adaflash.governance.pii_guard import overlaps, protected
-from adaflash.governance.pii_rules import checksum_kind, phone_like, second_pass
+from adaflash.governance.pii_ids import checksum_kind
+from adaflash.governance.pii_rules import phone_like, second_pass
 from adaflash.governance.pii_scripts import script_names
 from adaflash.governance.pii_spans import Hit
 
@@ -52,9 +53,14 @@ def _plates(text: str, hits: list[Hit]) -> None:
 
 # -- GPS coordinates ----------------------------------------------------------------------------------
 _GEO_CTX = re.compile(
-    r"(?i)geo:|maps|@|[?&](?:q|ll|query)=|\blat\b|latitude|coordinates?|\bgps\b|location|lat/lon"
+    r"(?i)geo:|maps|@|[?&](?:q|ll|query)=|\blat\b|latitude|coordinates?|\bgps\b|location|lat/lon|"
+    r"\b(?:i['’]?m|we['’]?re|i am|we are|live|meet(?: me| us)?|stay(?:ing)?|parked|position|pin)"
+    r"\s+(?:at|is)\b"
 )
-_PAIR = re.compile(r"(?<![\d.])(-?\d{1,2}\.(\d{3,8}))\s*,\s*(-?\d{1,3}\.(\d{3,8}))(?![\d.])")
+# A pair with a comma, or with only a space (then a context word must say it is a place).
+_PAIR = re.compile(r"(?<![\d.])(-?\d{1,2}\.(\d{3,8}))(\s*,\s*|\s+)(-?\d{1,3}\.(\d{3,8}))(?![\d.])")
+# Decimal degrees with their hemispheres: "48.8584°N 2.2945°E", "33.86 S, 151.21 E".
+_HEMI = re.compile(r"(?<![\d.])\d{1,2}\.\d{1,8}\s?°?\s?[NSns]\b[ ,;/]{0,3}\d{1,3}\.\d{1,8}\s?°?\s?[EWew]\b")
 _OSM = re.compile(
     r"mlat=(-?\d{1,2}\.\d{2,8})&(?:amp;)?mlon=(-?\d{1,3}\.\d{2,8})|#map=\d{1,2}/(-?\d{1,2}\.\d{2,8})/(-?\d{1,3}\.\d{2,8})"
 )
@@ -64,11 +70,15 @@ _DMS = re.compile(_DMS_ONE + r"(?:[ ,;]{1,3}" + _DMS_ONE + r")?")
 
 def _coordinates(text: str, hits: list[Hit]) -> None:
     for m in _PAIR.finditer(text):
-        lat, lon = float(m.group(1)), float(m.group(3))
+        lat, lon = float(m.group(1)), float(m.group(4))
         if abs(lat) > 90 or abs(lon) > 180:
             continue
-        if min(len(m.group(2)), len(m.group(4))) >= 4 or _ctx(_GEO_CTX, text, m.start(), m.end(), 40, 0):
+        cued = _ctx(_GEO_CTX, text, m.start(), m.end(), 40, 0)
+        precise = min(len(m.group(2)), len(m.group(5))) >= 4 and "," in m.group(3)
+        if precise or cued:
             hits.append(Hit(m.start(), m.end(), "LOCATION_GPS"))
+    for m in _HEMI.finditer(text):
+        hits.append(Hit(m.start(), m.end(), "LOCATION_GPS"))
     for m in _OSM.finditer(text):
         for g in (1, 2, 3, 4):
             if m.group(g):

@@ -190,6 +190,35 @@ def find_names(text: str, hits: list[Hit]) -> None:
             ):
                 hits.append(Hit(m.start(1), m.start(1) + len(m.group(1).rstrip()), "PERSON"))
     _csv_names(text, hits)
+    _caseless_names(text, hits)
+
+
+# A name typed in lower case or capitals after a cue ("my name is john smith", "MY NAME IS JOHN
+# SMITH", "Regards,\nmaria gonzalez"): spaCy and the capitalised-run rules never see it. Every word
+# taken must be a known name; after a weak cue ("I am", "this is") two of them.
+_CASELESS_CUE = re.compile(
+    r"(?i)(?:\bmy\s+name\s+is\b|\bmy\s+name['’]s\b|\bname\s*:|\bcall\s+me\b|\bi\s+am\b|\bi['’]m\b|"
+    r"\bthis\s+is\b|\bdear\b|\b(?:regards|sincerely|thanks|cheers),?[ \t]*\n|\bsigned\b:?)[ \t]*"
+    r"([^\W\d_]{2,40}(?:[ \t]+[^\W\d_]{2,40}){0,2})"
+)
+_WEAK_CASELESS = re.compile(r"(?i)^(?:i\s+am|i['’]m|this\s+is)")
+
+
+def _caseless_names(text: str, hits: list[Hit]) -> None:
+    first, last = name_lexicon()
+    for m in _CASELESS_CUE.finditer(text):
+        toks = m.group(1).split()
+        if all(t[:1].isupper() and not t.isupper() for t in toks):
+            continue  # written as names usually are: the other rules judge it
+        names: list[str] = []
+        for t in toks:
+            w = t.capitalize()
+            if is_function_word(w) or w not in first and not (names and w in last):
+                break
+            names.append(t)
+        if not names or _WEAK_CASELESS.match(m.group(0)) and len(names) < 2:
+            continue
+        hits.append(Hit(m.start(1), m.start(1) + len(" ".join(names)), "PERSON", judged=True))
 
 
 _CSV_HEADER = re.compile(r"^[a-z][a-z0-9_ ]{0,30}$")

@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from functools import lru_cache
 
 from adaflash.governance.pii_dates import dates_of_birth
-from adaflash.governance.pii_guard import overlaps, protected
+from adaflash.governance.pii_guard import dotted_identifier, overlaps, protected
+from adaflash.governance.pii_ids import checksum_kind
 from adaflash.governance.pii_names import find_names
 from adaflash.governance.pii_spans import Hit, SecondPass
 
@@ -41,12 +41,15 @@ _ID_CONTEXT = (
     r"\bpan\b|insee|s[ée]curit[ée]\s+sociale|codice\s+fiscale|personnummer|personnr|f[øo]dselsnummer|"
     r"henkil[öo]tunnus|hetu|rijksregister|身份证|account|acct|\biban\b|bank|routing|sort\s+code|"
     r"\bcard\b|\bcc\b|visa|amex|mastercard|\bmbr\b|policy\s+(?:no|number)|customer\s+(?:no|number)|"
-    r"member|patient|mrn"
+    r"member|patient|mrn|\bcurp\b|kimlik|\bcnp\b|\binn\b|\bpps\b|\bnric\b|\bfin\b|\bahv\b|\bavs\b|"
+    r"\brut\b|\brun\b|my\s*number|паспорт|инн|снилс|личн|удостоверени|マイナンバー|個人番号|"
+    r"住民|주민등록|여권|護照|护照|身分"
 )
 _PHONE_CONTEXT = (
     r"phone|\btel\b|tel\.|telephone|mobile|\bcell\b|whatsapp|\bcall\b|\bring\b|text\s+me|\bfax\b|"
     r"handy|portable|telefon|telefono|telefone|hotline|number's|contact\s+number|\bsms\b|"
-    r"\bmob\b|numer|nummer|num[ée]ro|n[úu]mero"
+    r"\bmob\b|numer|nummer|num[ée]ro|n[úu]mero|телефон|\bтел\b|моб|電話|电话|手机|携帯|전화|휴대폰|"
+    r"τηλ|טלפון|هاتف|جوال"
 )
 _POSTCODE_CONTEXT = (
     r"postcode|post\s+code|postal\s+code|\bzip\b|zip\s*code|\bplz\b|postleitzahl|code\s+postal|"
@@ -75,83 +78,6 @@ _NUMBER_LIKE = re.compile(r"^\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?$|^\d+\.\d{1,3}$|^\d
 
 def _digits(s: str) -> str:
     return "".join(c for c in s if c.isdigit())
-
-
-@lru_cache(maxsize=1)
-def _validators():
-    """(name, is_valid, strong_shape) for checksummed IDs; strong: its formatted shape alone is telling."""
-    from stdnum import iban, luhn
-    from stdnum.au import tfn
-    from stdnum.be import nn
-    from stdnum.br import cpf
-    from stdnum.ca import sin
-    from stdnum.cn import ric
-    from stdnum.de import idnr
-    from stdnum.dk import cpr
-    from stdnum.es import dni, nie
-    from stdnum.fi import hetu
-    from stdnum.fr import nir
-    from stdnum.gb import nhs
-    from stdnum.in_ import aadhaar, pan
-    from stdnum.it import codicefiscale
-    from stdnum.nl import bsn
-    from stdnum.no import fodselsnummer
-    from stdnum.pl import pesel
-    from stdnum.se import personnummer
-    from stdnum.za import idnr as za_idnr
-
-    def card(s: str) -> bool:
-        d = _digits(s)
-        return 13 <= len(d) <= 19 and luhn.is_valid(d)
-
-    return [
-        ("IBAN_CODE", iban.is_valid, True),
-        ("CREDIT_CARD", card, True),
-        ("NATIONAL_ID", dni.is_valid, True),
-        ("NATIONAL_ID", nie.is_valid, True),
-        ("NATIONAL_ID", pan.is_valid, True),
-        ("NATIONAL_ID", codicefiscale.is_valid, True),
-        ("NATIONAL_ID", ric.is_valid, True),
-        ("NATIONAL_ID", hetu.is_valid, True),
-        ("NATIONAL_ID", cpf.is_valid, False),
-        ("NATIONAL_ID", personnummer.is_valid, False),
-        ("NATIONAL_ID", pesel.is_valid, False),
-        ("NATIONAL_ID", idnr.is_valid, False),
-        ("NATIONAL_ID", aadhaar.is_valid, False),
-        ("NATIONAL_ID", nir.is_valid, False),
-        ("NATIONAL_ID", za_idnr.is_valid, False),
-        ("NATIONAL_ID", fodselsnummer.is_valid, False),
-        ("NATIONAL_ID", nn.is_valid, False),
-        ("NATIONAL_ID", cpr.is_valid, False),
-        ("NATIONAL_ID", bsn.is_valid, False),
-        ("NATIONAL_ID", sin.is_valid, False),
-        ("NATIONAL_ID", nhs.is_valid, False),
-        ("NATIONAL_ID", tfn.is_valid, False),
-    ]
-
-
-def checksum_kind(s: str) -> tuple[str, bool] | None:
-    for name, ok, strong in _validators():
-        try:
-            if ok(s):
-                return name, strong
-        except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
-            continue
-    return None
-
-
-def valid_kinds(s: str) -> list:
-    """The validators `s` passes (a surrogate must pass the same ones)."""
-    from stdnum.kr import rrn  # found by its own rule (pii_kinds), validated all the same
-
-    out = []
-    for ok in [v[1] for v in _validators()] + [rrn.is_valid]:
-        try:
-            if ok(s):
-                out.append(ok)
-        except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
-            continue
-    return out
 
 
 _SEPARATED = re.compile(r"\d[\-./ ]\d|\d[\-./ ][A-Z]|[A-Z]\d")
@@ -187,7 +113,7 @@ def phone_like(s: str) -> bool:
         if raw.startswith("+") or raw.startswith("00"):
             n = phonenumbers.parse("+" + d[2:] if raw.startswith("00") else raw, None)
             return phonenumbers.is_possible_number(n)
-        if raw.lstrip("(").startswith("0") and len(d) >= 9 and re.search(r"[ \-()]", raw):
+        if raw.lstrip("(").startswith("0") and len(d) >= 9 and re.search(r"[ \-().]", raw):
             return any(phonenumbers.is_valid_number(phonenumbers.parse(raw, r)) for r in _PHONE_REGIONS)
     except phonenumbers.NumberParseException:
         return False
@@ -205,7 +131,8 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -
         if lead:
             s, tok = s + lead.end(), tok[lead.end() :]
         d = _digits(tok)
-        if len(d) < 5 or _NUMBER_LIKE.match(tok) or "\n" in tok or overlaps(s, e, regions):
+        number_like = _NUMBER_LIKE.match(tok) and not dotted_identifier(tok)
+        if len(d) < 5 or number_like or "\n" in tok or overlaps(s, e, regions):
             continue
         quantity = len(set(d)) <= 2 or d.endswith("0000")  # 331000000, 9999999999: not an identifier
         if quantity:
@@ -377,13 +304,18 @@ _KEY_SHAPES = re.compile(
 )
 _PEM = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----(.*?)(?:-----END [A-Z ]*PRIVATE KEY-----|$)", re.DOTALL)
 _SECRET_ASSIGN = re.compile(
-    r"(?i:\b(?:password|passwd|passphrase|pwd|pass|secret|api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|"
+    r"(?i:(?<![A-Za-z0-9])(?:password|passwd|passphrase|pwd|pass|secret|api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|"
     r"private[_\-]?key|client[_\-]?secret|auth[_\-]?token|token|pin|passcode|passkey|passwort)"
     r"(?:s|\d+|[_\-]\w*|(?-i:[A-Z])\w*)?\b)"  # password2, secret_key, passwordHash; never "passing", "pine"
     r"(?:\s*[\"']?\s*(?:[:=]|=>)\s*|\s+(?:is|was|=)\s+)[\"']?([^\s\"',;)}\]]{4,})"
 )
 _CLI_PASSWORD = re.compile(
     r"(?:mysql|mysqldump|psql|mongo\w{0,20}|redis-cli)\b[^\n]{0,200}?\s-p([^\s\-][^\s]{3,})"
+)
+# `curl -u user:pass`, `wget --password=...`, `sshpass -p pass`, `--password pass` on any command line.
+_CLI_SECRET = re.compile(
+    r"(?:\s(?:-u|--user)\s*['\"]?[^\s:'\"]{1,64}:|\bsshpass\s+-p\s*|"
+    r"\s--(?:http-|ftp-|db-|admin-)?pass(?:word)?[= ])['\"]?([^\s'\"]{3,})"
 )
 _AUTH_TUPLE = re.compile(r"auth\s*=\s*\(\s*['\"][^'\"]+['\"]\s*,\s*['\"]([^'\"]{4,})['\"]")
 _NOT_SECRET = {
@@ -423,7 +355,7 @@ def _credentials(text: str, hits: list[Hit], unsure: list[str], regions: list) -
     for m in _PEM.finditer(text):
         if m.group(1).strip():
             hits.append(Hit(m.start(1), m.end(1), "CREDENTIAL"))
-    for rx in (_CLI_PASSWORD, _AUTH_TUPLE):
+    for rx in (_CLI_PASSWORD, _CLI_SECRET, _AUTH_TUPLE):
         for m in rx.finditer(text):
             hits.append(Hit(m.start(1), m.end(1), "CREDENTIAL"))
     for m in _SECRET_ASSIGN.finditer(text):

@@ -1,5 +1,6 @@
 """Person names in non-Latin scripts (issue 33): Cyrillic, Greek, Arabic/Persian, Hebrew,
-Devanagari, Han, Kana, Hangul and Thai.
+Devanagari, Han, Kana, Hangul, Thai, and (found missing by a probe) Bengali, Tamil, Gujarati, Odia,
+Sinhala, Georgian, Armenian, Gurmukhi, Telugu, Kannada and Malayalam.
 
 The English spaCy model finds none of them, and no multilingual NER pipeline installs from the
 package registry with its weights (spaCy's `xx_ent_wiki_sm` ships only as a GitHub release,
@@ -32,6 +33,18 @@ SCRIPTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "han": ("\u4e00-\u9fff\u3400-\u4dbf", ("zh_CN", "zh_TW")),
     "kana": ("\u3040-\u30ff\u4e00-\u9fff", ("ja_JP",)),
     "hangul": ("\uac00-\ud7af", ("ko_KR",)),
+    "bengali": ("\u0980-\u09ff", ("bn_BD",)),
+    "tamil": ("\u0b80-\u0bff", ("ta_IN",)),
+    "gujarati": ("\u0a80-\u0aff", ("gu_IN",)),
+    "odia": ("\u0b00-\u0b7f", ("or_IN",)),
+    "sinhala": ("\u0d80-\u0dff", ("si_LK",)),
+    "georgian": ("\u10a0-\u10ff", ("ka_GE",)),
+    "armenian": ("\u0531-\u0587", ("hy_AM",)),  # letters only, not the full stop "։"
+    # No faker locale writes these: a surrogate is a Devanagari name (another script, nothing leaks).
+    "gurmukhi": ("\u0a00-\u0a7f", ("hi_IN",)),
+    "telugu": ("\u0c00-\u0c7f", ("hi_IN",)),
+    "kannada": ("\u0c80-\u0cff", ("hi_IN",)),
+    "malayalam": ("\u0d00-\u0d7f", ("hi_IN",)),
 }
 _UNSPACED = {"han": 4, "kana": 5, "hangul": 3, "thai": 0}
 
@@ -45,7 +58,9 @@ _STRONG = (
     r"Ονομάζομαι|Με λένε|Το όνομά μου είναι|Με εκτίμηση,|"
     r"اسمي|مع تحياتي،|نام من|با احترام،|קוראים לי|שמי|בברכה,|मेरा नाम|मेरो नाम|भवदीय,|"
     r"我叫|我的名字是|我的名字叫|名字[：:]|姓名[：:]|联系人[：:]|聯絡人[：:]|联络人[：:]|"
-    r"私の名前は|名前[：:]|氏名[：:]|제 이름은|이름[：:]|성함[：:]|ฉันชื่อ|ผมชื่อ"
+    r"私の名前は|名前[：:]|氏名[：:]|제 이름은|이름[：:]|성함[：:]|ฉันชื่อ|ผมชื่อ|"
+    r"আমার নাম|என் பெயர்|எனது பெயர்|મારું નામ|મારુ નામ|ମୋ ନାମ|ମୋର ନାମ|මගේ නම|ჩემი სახელია|მე მქვია|"
+    r"Իմ անունը|Ինձ անվանում են|ਮੇਰਾ ਨਾਮ|నా పేరు|ನನ್ನ ಹೆಸರು|എന്റെ പേര്"
 )
 _WEAK = (
     r"I am|I'm|[Tt]his is|[Tt]ell|[Aa]sk|[Ff]orward(?: this)? to|[Ww]ith|[Aa]nd|Передайте(?:, будь ласка,)?|"
@@ -102,7 +117,7 @@ def _name_after(text: str, pos: int) -> tuple[int, int] | None:
     if not m:
         return None
     words = m.group(0).split()
-    if script == "cyrillic" or script == "greek":  # cased scripts: a name word is capitalised
+    if script in ("cyrillic", "greek", "armenian"):  # cased scripts: a name word is capitalised
         while words and not words[-1][0].isupper():
             words = words[:-1]
         if not words or not words[0][0].isupper():
@@ -113,7 +128,10 @@ def _name_after(text: str, pos: int) -> tuple[int, int] | None:
 
 
 # Words of the spaced scripts that end a sentence rather than a name ("नाम X है", "نام من X است").
-_FUNCTION_WORDS = {"है", "हो", "हूँ", "हुँ", "است", "هستم", "هو", "هي", "и", "і", "та", "και", "ו"}
+_FUNCTION_WORDS = {
+    "है", "हो", "हूँ", "हुँ", "است", "هستم", "هو", "هي", "и", "і", "та", "και", "ו", "છે", "է", "আছে", "ହେଉଛି",
+    "ଅଟେ", "ਹੈ", "ആണ്", "ಆಗಿದೆ",
+}  # fmt: skip
 
 
 @lru_cache(maxsize=1)

@@ -66,6 +66,9 @@ class Hit:
     end: int
     entity: str
     cue: bool = True  # False: a name found by the name lists alone (a place veto applies)
+    # True: its rule already judged it a name; the capitalisation-based filters do not apply (a
+    # name typed in lower case or in capitals after a cue).
+    judged: bool = False
 
 
 @dataclass

@@ -274,7 +274,7 @@ class Surrogates:
 
     def _checksummed(self, value: str) -> str:
         """Same shape, and valid for every checksum the value was valid for (CPF, SIN, BSN, ...)."""
-        from adaflash.governance.pii_rules import valid_kinds
+        from adaflash.governance.pii_ids import valid_kinds
 
         checks = valid_kinds(value)
 

@@ -142,11 +142,18 @@ class Engine(StepLoop):
     def validate(self, req: Request) -> None:
         """Raise InputError for a request this engine cannot serve as given."""
         self.validate_params(req)
+        # The length first: it costs nothing, and a prompt of millions of ids is refused before
+        # anything scans it (submit runs on the server's event loop).
+        self.check_length(len(req.prompt_ids), req.params.max_tokens)
         check_prompt(req.prompt_ids, self.target.config.vocab_size)
-        if not self.scheduler.fits(req):
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise InputError when a prompt this long, plus max_tokens, can never be served here."""
+        limit = min(self.capacity, self.scheduler.kv_budget)
+        if prompt_tokens + max_tokens > limit:
             raise InputError(
-                f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds the "
-                f"server's per-request limit of {min(self.capacity, self.scheduler.kv_budget)} tokens"
+                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the "
+                f"server's per-request limit of {limit} tokens"
             )
 
     def validate_params(self, req: Request) -> None:

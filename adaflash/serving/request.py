@@ -40,6 +40,9 @@ MIN_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Most alternatives per token a request may ask logprobs for (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# Streaming holds back any tail that could start a stop sequence, a check quadratic in the stop's
+# length: the bound keeps a 100k-character "stop" from making every streamed token cost seconds.
+MAX_STOP_CHARS = 512
 
 
 class Status(Enum):
@@ -227,6 +230,8 @@ def check_params(p: GenParams, method: str, has_drafter: bool, has_head: bool) -
         raise InputError(f"invalid seed: must be an integer in [{SEED_MIN}, {SEED_MAX}]")
     if any(not isinstance(x, str) or not x for x in p.stop):
         raise InputError("stop sequences must be non-empty strings")
+    if any(len(x) > MAX_STOP_CHARS for x in p.stop):
+        raise InputError(f"a stop sequence must be at most {MAX_STOP_CHARS} characters")
     if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
         raise InputError("max_tokens must be >= 1")
     if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):

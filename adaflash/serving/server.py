@@ -85,6 +85,18 @@ class Generation:
     def __init__(self, engine: Engine, settings: ServerSettings, metrics: ServingMetrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.translator = Translator(engine, settings)
+        self.preparing = 0  # bodies being parsed and tokenised on worker threads right now
+
+    def overloaded(self) -> JSONResponse | None:
+        """A 429 before any work when the queue is full, or as many bodies as it holds are still
+        being parsed and tokenised: under a flood, preparing bodies that the queue would refuse
+        anyway only piles up threads and memory."""
+        sched = self.engine.scheduler
+        if max(len(sched.pending), self.preparing) < sched.config.max_queue:
+            return None
+        self.metrics.rejected.labels("queue_full").inc()
+        retry = str(sched.retry_after())
+        return error_response(429, "the server is at capacity", "rate_limit_error", {"Retry-After": retry})
 
     async def completions(self, http: HttpRequest):
         return await self.generate(http, chat=False)
@@ -94,10 +106,15 @@ class Generation:
 
     async def generate(self, http: HttpRequest, chat: bool):
         # The body was read (bounded in size and time) by the edge's BodyLimit middleware.
+        if (busy := self.overloaded()) is not None:
+            return busy
+        self.preparing += 1
         try:
             p = await asyncio.to_thread(self.translator.prepare, await http.body(), chat)
         except InputError as e:
             return self.refused(e)
+        finally:
+            self.preparing -= 1
         bridge = Bridge(asyncio.get_running_loop())
         reqs = self.submit(p, http, bridge)
         if isinstance(reqs, JSONResponse):
@@ -143,6 +160,11 @@ class Generation:
                 self.engine.cancel(r.request_id)
             self.metrics.rejected.labels("invalid").inc()
             return error_response(400, str(e))
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the queued siblings must go
+            for r in reqs:  # nobody will read the choices already queued: free their slots
+                self.engine.cancel(r.request_id)
+            log.exception("submitting a request failed")
+            return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
         return reqs
 
     def refused(self, e: InputError) -> JSONResponse:

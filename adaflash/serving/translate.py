@@ -64,8 +64,11 @@ class Translator:
         the server runs it on a worker thread: the event loop, and /health with it, never waits."""
         body = parse_body(raw, ChatBody if chat else CompletionBody)
         params, n = self.gen_params(body)
-        ids, text = self.chat_prompt(body) if chat else self.completion_prompt(body.prompt)
-        return Prepared(body, params, n, ids, text)
+        ids = self.chat_prompt(body) if chat else self.completion_prompt(body.prompt)
+        self.engine.check_length(len(ids), params.max_tokens)  # before decoding millions of ids
+        # The feedback record's prompt_text must be decode(prompt ids) (schema invariant): for chat,
+        # the templated conversation as the target saw it, not a re-rendering of the messages.
+        return Prepared(body, params, n, ids, self.tok.decode(ids))
 
     def gen_params(self, body: RequestBody) -> tuple[GenParams, int]:
         """Validate the request's fields and build its sampling parameters — before anything is
@@ -107,26 +110,22 @@ class Translator:
         self.engine.validate_params(probe)
         return params, n
 
-    def completion_prompt(self, p) -> tuple[list[int], str]:
+    def completion_prompt(self, p) -> list[int]:
         if isinstance(p, list) and not p:
             raise InputError("empty prompt")
         if isinstance(p, list) and all(isinstance(x, int) for x in p):
             vocab = self.engine.target.config.vocab_size
             if any(x < 0 or x >= vocab for x in p):  # validated before anything decodes them
                 raise InputError(f"prompt token ids must be in [0, {vocab})")
-            return list(p), self.tok.decode(list(p))
+            return list(p)
         if isinstance(p, list):
             if len(p) != 1:
                 raise InputError("batched prompts are not supported: send one prompt per request")
             p = p[0]
-        ids = self.tok.encode(p)
-        return ids, self.tok.decode(ids)
+        return self.tok.encode(p)
 
-    def chat_prompt(self, body: ChatBody) -> tuple[list[int], str]:
-        ids = chat_prompt_ids(self.tok, body.messages)
-        # The feedback record's prompt_text must be decode(prompt ids) (schema invariant): the
-        # templated conversation as the target saw it, not a re-rendering of the messages.
-        return ids, self.tok.decode(ids)
+    def chat_prompt(self, body: ChatBody) -> list[int]:
+        return chat_prompt_ids(self.tok, body.messages)
 
 
 def _refuse_unsupported(extra: dict) -> None:
