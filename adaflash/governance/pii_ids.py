@@ -12,7 +12,7 @@ import re
 from functools import lru_cache
 
 
-def _digits(s: str) -> str:
+def digits(s: str) -> str:
     return "".join(c for c in s if c.isdigit())
 
 
@@ -42,7 +42,7 @@ def _validators():
     extra = _more_validators()
 
     def card(s: str) -> bool:
-        d = _digits(s)
+        d = digits(s)
         return 13 <= len(d) <= 19 and luhn.is_valid(d)
 
     return [
@@ -113,13 +113,17 @@ def nric_is_valid(s: str) -> bool:
     return letters[total % 11] == check
 
 
+def _passes(ok, s: str) -> bool:
+    try:
+        return bool(ok(s))
+    except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
+        return False
+
+
 def checksum_kind(s: str) -> tuple[str, bool] | None:
     for name, ok, strong in _validators():
-        try:
-            if ok(s):
-                return name, strong
-        except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
-            continue
+        if _passes(ok, s):
+            return name, strong
     return None
 
 
@@ -127,11 +131,4 @@ def valid_kinds(s: str) -> list:
     """The validators `s` passes (a surrogate must pass the same ones)."""
     from stdnum.kr import rrn  # found by its own rule (pii_kinds), validated all the same
 
-    out = []
-    for ok in [v[1] for v in _validators()] + [rrn.is_valid]:
-        try:
-            if ok(s):
-                out.append(ok)
-        except Exception:  # noqa: BLE001 - stdnum raises on odd input in places
-            continue
-    return out
+    return [ok for ok in [v[1] for v in _validators()] + [rrn.is_valid] if _passes(ok, s)]

@@ -28,7 +28,7 @@ from collections import Counter
 
 from adaflash.governance.pii_dates import dates_of_birth
 from adaflash.governance.pii_guard import dotted_identifier, overlaps, protected
-from adaflash.governance.pii_ids import checksum_kind
+from adaflash.governance.pii_ids import checksum_kind, digits
 from adaflash.governance.pii_names import find_names
 from adaflash.governance.pii_spans import Hit, SecondPass
 
@@ -76,10 +76,6 @@ _ALNUM_ID = re.compile(r"(?<![\w\-])(?=[A-Z0-9\-]*\d)(?=[A-Z0-9\-]*[A-Z])[A-Z0-9
 _NUMBER_LIKE = re.compile(r"^\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?$|^\d+\.\d{1,3}$|^\d+(?:\.\d+){2,}$")
 
 
-def _digits(s: str) -> str:
-    return "".join(c for c in s if c.isdigit())
-
-
 _SEPARATED = re.compile(r"\d[\-./ ]\d|\d[\-./ ][A-Z]|[A-Z]\d")
 
 _PHONE_REGIONS = (
@@ -106,7 +102,7 @@ def phone_like(s: str) -> bool:
     import phonenumbers
 
     raw = s.strip()
-    d = _digits(raw)
+    d = digits(raw)
     if not 7 <= len(d) <= 15:
         return False
     try:
@@ -130,7 +126,7 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -
         lead = re.match(r"[A-Z]{1,4} (?=[+(A-Z0-9])", tok)  # "CPF 201.144.060-22": a word, then the number
         if lead:
             s, tok = s + lead.end(), tok[lead.end() :]
-        d = _digits(tok)
+        d = digits(tok)
         number_like = _NUMBER_LIKE.match(tok) and not dotted_identifier(tok)
         if len(d) < 5 or number_like or "\n" in tok or overlaps(s, e, regions):
             continue
@@ -173,7 +169,7 @@ def _identifiers(text: str, hits: list[Hit], unsure: list[str], regions: list) -
         head = m.group(0).split()[0].split("-")[0]
         if _RE_ID_CTX.fullmatch(head) or head in {"IBAN", "CARD", "BIC"}:  # "IBAN GB44 WFOQ ...": an IBAN
             continue
-        if _digits(m.group(0)) and _near(_RE_ID_CTX, text, m.start(), m.end()):
+        if digits(m.group(0)) and _near(_RE_ID_CTX, text, m.start(), m.end()):
             hits.append(Hit(m.start(), m.end(), "NATIONAL_ID"))
 
 

@@ -94,9 +94,7 @@ class Generation:
         sched = self.engine.scheduler
         if max(len(sched.pending), self.preparing) < sched.config.max_queue:
             return None
-        self.metrics.rejected.labels("queue_full").inc()
-        retry = str(sched.retry_after())
-        return error_response(429, "the server is at capacity", "rate_limit_error", {"Retry-After": retry})
+        return self.queue_full("the server is at capacity", sched.retry_after())
 
     async def completions(self, http: HttpRequest):
         return await self.generate(http, chat=False)
@@ -148,24 +146,27 @@ class Generation:
                 req.sink = bridge.sink_for(i)
                 self.engine.submit(req)
                 reqs.append(req)
-        except EngineFailed as e:
-            return error_response(503, str(e), "server_error")
-        except QueueFull as e:
-            for r in reqs:
-                self.engine.cancel(r.request_id)
-            self.metrics.rejected.labels("queue_full").inc()
-            return error_response(429, str(e), "rate_limit_error", {"Retry-After": str(e.retry_after)})
-        except InputError as e:
-            for r in reqs:
-                self.engine.cancel(r.request_id)
-            self.metrics.rejected.labels("invalid").inc()
-            return error_response(400, str(e))
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the queued siblings must go
             for r in reqs:  # nobody will read the choices already queued: free their slots
                 self.engine.cancel(r.request_id)
-            log.exception("submitting a request failed")
-            return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
+            return self.submit_error(e)
         return reqs
+
+    def submit_error(self, e: Exception) -> JSONResponse:
+        """The response for an error raised while queueing a request's choices."""
+        if isinstance(e, EngineFailed):
+            return error_response(503, str(e), "server_error")
+        if isinstance(e, QueueFull):
+            return self.queue_full(str(e), e.retry_after)
+        if isinstance(e, InputError):
+            self.metrics.rejected.labels("invalid").inc()
+            return error_response(400, str(e))
+        log.exception("submitting a request failed", exc_info=e)
+        return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
+
+    def queue_full(self, message: str, retry_after: int) -> JSONResponse:
+        self.metrics.rejected.labels("queue_full").inc()
+        return error_response(429, message, "rate_limit_error", {"Retry-After": str(retry_after)})
 
     def refused(self, e: InputError) -> JSONResponse:
         self.metrics.rejected.labels("invalid").inc()
