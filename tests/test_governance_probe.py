@@ -43,6 +43,17 @@ def test_addresses_hashes_and_versions_are_never_touched(scrubber):
                 assert k in r.text, (k, t, r.text)
 
 
+def test_four_part_versions_are_versions_and_addresses_stay_addresses(scrubber):
+    """A four-part version parses as an IPv4 address too: a version word before it keeps it, and
+    "to" / "from" (which also precede addresses) do not."""
+    kept = ["Please upgrade to version 1.2.3.4 before Friday.", "pin it: mylib==10.2.3.4 in requirements."]
+    for t, r in zip(kept, scrubber.scrub(kept), strict=True):
+        assert t == r.text, (t, r.spans)
+    gone = ["My home server is at 84.17.203.9, connect to 84.17.203.9 from outside."]
+    (r,) = scrubber.scrub(gone)
+    assert "84.17.203.9" not in r.text, r.text
+
+
 def _valid(kind: str, value: str) -> bool:
     """The validator that detects each kind, applied to its surrogate."""
     import ipaddress
@@ -122,6 +133,26 @@ def test_name_surrogates_keep_their_script():
         assert out != name and script_of(out) == script_of(name), (name, out)
         assert len(out.split()) == len(name.split())
     assert script_of(sur.surrogate("PERSON", "Tomasz Wiśniewski")) is None  # Latin stays Latin
+
+
+def test_street_surrogates_keep_ordinals_and_house_numbers_readable():
+    """Street "221 W 42nd St" becomes another numbered street ("86th", never "06nd"); house numbers keep
+    their length and never start with a zero."""
+    import re
+
+    from adaflash.governance.surrogates import Surrogates, fakers
+
+    for seed in range(20):
+        sur = Surrogates(fakers(0), f"street {seed}")
+        for value in ("221 W 42nd St", "350 5th Avenue", "7 111th Street", "12 23rd St", "1600 Main Street"):
+            out = sur.surrogate("STREET_ADDRESS", value)
+            assert out != value, value
+            for n, suffix in re.findall(r"\b(\d+)(st|nd|rd|th)\b", out):
+                k = int(n)
+                want = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+                assert suffix == want and not n.startswith("0"), (value, out)
+            house = out.split()[0]
+            assert house.isdigit() and len(house) == len(value.split()[0]) and house[0] != "0", (value, out)
 
 
 def test_probe_recall_on_both_parts(tmp_path, vocab, scrubber):

@@ -46,6 +46,11 @@ _VERSION_CUE = re.compile(
     r"(?i)(?:\bv|version|release|build|upgrade|from|to|python|node|kernel|cuda|driver|chrome|firefox|"
     r"safari|ubuntu|openssl|lts|==|>=|<=|~=|\^|@|[\[(])\W{0,3}$"
 )
+# Cues that make a four-part dotted number a version even where it parses as an IPv4 address
+# ("from" / "to" do not: "connect to 10.1.2.3" is an address).
+_STRONG_VERSION_CUE = re.compile(
+    r"(?i)(?:\bv|\bversion|\bversions|\brelease|\bbuild|\bupgrade|==|>=|<=|~=|\^)\W{0,3}$"
+)
 _ID_NEAR = re.compile(
     r"(?i)\bbsn|burgerservice|sofinummer|\bid\b|identi|national|citizen|personal|nummer|number"
 )
@@ -119,7 +124,11 @@ def protected(text: str) -> list[tuple[int, int]]:
         tok = m.group(0)
         if re.fullmatch(r"\d{3}\.\d{3}\.\d{4}", tok):  # a phone number written with dots
             continue
-        if tok.count(".") == 3 and _looks_like_ipv4(tok):  # addresses are judged as addresses
+        if (
+            tok.count(".") == 3
+            and _looks_like_ipv4(tok)
+            and not _STRONG_VERSION_CUE.search(text, max(0, m.start() - 24), m.start())
+        ):  # addresses are judged as addresses; "version 1.2.3.4" is a version
             continue
         if re.fullmatch(r"\d{1,2}\.\d{1,2}\.(?:19|20)?\d{2}", tok):  # a date, judged as a date
             continue

@@ -400,8 +400,10 @@ class Surrogates:
 
         def word(m: re.Match) -> str:
             w = m.group(0)
-            if w.isdigit():
-                return "".join(self.rng.choice(string.digits) for _ in w)
+            if w[:1].isdigit():  # a house number or an ordinal street ("42nd"): no leading zero
+                digits = m.group(1) or w
+                n = self.rng.randrange(10 ** (len(digits) - 1) if len(digits) > 1 else 1, 10 ** len(digits))
+                return f"{n}{_ordinal_suffix(n)}" if m.group(1) else str(n)
             if w.lower().rstrip(".") in _KEEP_WORDS or not w[:1].isupper():
                 return w
             g = _GERMANIC_SUFFIX.search(w)
@@ -411,7 +413,13 @@ class Surrogates:
                 return self._shape(w)
             return self.fake.last_name()
 
-        return re.sub(r"[^\W\d_][\w'’]*\.?|\d+", word, value)
+        return re.sub(r"(\d+)(?:st|nd|rd|th)\b|\d+|[^\W\d_][\w'’]*\.?", word, value)
+
+
+def _ordinal_suffix(n: int) -> str:
+    if 10 <= n % 100 <= 20:
+        return "th"
+    return {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 _BECH32 = "qpzry9x8gf2tvdw0s3jn54khce6mua7l"
