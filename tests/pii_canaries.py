@@ -256,6 +256,18 @@ TUNING_ENTRIES = [
     ("dob_abbrev", "DOB: ⟦14-Mar-1987⟧"),
     ("gps_loose", "I'm at ⟦48.8584 2.2945⟧ right now"),
     ("gps_loose", "coordinates ⟦48.8584°N 2.2945°E⟧"),
+    # -- this round's own probe: ids with a context word, webhooks, secrets typed as prose ----------
+    ("national_id_more", "Mi RFC es ⟦GODE561231GR8⟧, para la factura."),
+    ("national_id_more", "CNPJ do meu MEI: ⟦11.222.333/0001-81⟧"),
+    ("national_id_more", "My HKID is ⟦A123456(3)⟧."),
+    ("national_id_more", "the VIN on my car is ⟦1HGCM82633A004352⟧"),
+    (
+        "webhook",
+        "post alerts to https://hooks.slack.com/services/⟦T04K2J9QH/B05LM8N2P/q8Zr3VxT1yKp7WmN4sLd2Ffa⟧",
+    ),
+    ("prose_secret", "my login is ⟦jsmith1984⟧ and my password ⟦hunter2⟧"),
+    ("prose_secret", "the wifi password ⟦Blue42sky!⟧ is on the fridge"),
+    ("dob_ordinal", "I was born on the ⟦3rd of July 1985⟧."),
 ]
 
 TUNING = parse(TUNING_ENTRIES)

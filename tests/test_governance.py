@@ -366,7 +366,7 @@ def test_sigkill_mid_batch_loses_and_duplicates_nothing(tmp_path, vocab, base_pr
             "--batch-size", "100", "--idle-exit", "6",
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # a hang guard; two batches take ~40 s alone, minutes under load
         batches = 0
         while batches < 2:  # let two batches commit, then kill inside the third
             line = proc.stdout.readline()

@@ -135,12 +135,18 @@ def test_name_surrogates_keep_their_script():
     assert script_of(sur.surrogate("PERSON", "Tomasz Wiśniewski")) is None  # Latin stays Latin
 
 
-def test_street_surrogates_keep_ordinals_and_house_numbers_readable():
+def test_street_and_date_surrogates_keep_ordinals_readable():
     """Street "221 W 42nd St" becomes another numbered street ("86th", never "06nd"); house numbers keep
-    their length and never start with a zero."""
+    their length and never start with a zero; a birth date's "3rd of July" becomes "15th of May"."""
     import re
 
     from adaflash.governance.surrogates import Surrogates, fakers
+
+    months = {"January", "February", "March", "April", "May", "June", "July", "August", "September",
+              "October", "November", "December"}  # fmt: skip
+
+    def english(k: int) -> str:
+        return "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
 
     for seed in range(20):
         sur = Surrogates(fakers(0), f"street {seed}")
@@ -148,11 +154,15 @@ def test_street_surrogates_keep_ordinals_and_house_numbers_readable():
             out = sur.surrogate("STREET_ADDRESS", value)
             assert out != value, value
             for n, suffix in re.findall(r"\b(\d+)(st|nd|rd|th)\b", out):
-                k = int(n)
-                want = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
-                assert suffix == want and not n.startswith("0"), (value, out)
+                assert suffix == english(int(n)) and not n.startswith("0"), (value, out)
             house = out.split()[0]
             assert house.isdigit() and len(house) == len(value.split()[0]) and house[0] != "0", (value, out)
+        for value in ("3rd of July 1985", "July 21st, 1990", "born 2nd Sept. 1961"):
+            out = sur.surrogate("DATE_OF_BIRTH", value)
+            (n, suffix), *_ = re.findall(r"\b(\d+)(st|nd|rd|th)\b", out)
+            assert suffix == english(int(n)) and not n.startswith("0"), (value, out)
+            words = [w.rstrip(".") for w in re.findall(r"[A-Z][a-z]+\.?", out)]
+            assert words and all(w in months or w in {m[:3] for m in months} for w in words), (value, out)
 
 
 def test_probe_recall_on_both_parts(tmp_path, vocab, scrubber):

@@ -124,6 +124,8 @@ def protected(text: str) -> list[tuple[int, int]]:
         tok = m.group(0)
         if re.fullmatch(r"\d{3}\.\d{3}\.\d{4}", tok):  # a phone number written with dots
             continue
+        if re.match(r"/\d{4}-\d{2}\b", text[m.end() : m.end() + 8]):  # a CNPJ: 11.222.333/0001-81
+            continue
         if (
             tok.count(".") == 3
             and _looks_like_ipv4(tok)

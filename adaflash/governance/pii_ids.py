@@ -75,7 +75,8 @@ def _validators():
 def _more_validators() -> list:
     """National ids beyond the first list (independent probes sent them): Mexico's CURP, Swiss AHV,
     Chile's RUT, Turkey's TC kimlik, Romania's CNP, Russia's INN, Japan's My Number, Ireland's PPS,
-    Singapore's NRIC."""
+    Singapore's NRIC, Brazil's CNPJ (a sole trader's CNPJ identifies a person)."""
+    from stdnum.br import cnpj
     from stdnum.ch import ssn as ahv
     from stdnum.cl import rut
     from stdnum.ie import pps
@@ -89,6 +90,7 @@ def _more_validators() -> list:
         ("NATIONAL_ID", curp.is_valid, True),
         ("NATIONAL_ID", ahv.is_valid, True),
         ("NATIONAL_ID", nric_is_valid, True),
+        ("NATIONAL_ID", cnpj.is_valid, False),
         ("NATIONAL_ID", rut.is_valid, False),
         ("NATIONAL_ID", tckimlik.is_valid, False),
         ("NATIONAL_ID", cnp.is_valid, False),

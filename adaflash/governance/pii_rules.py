@@ -42,7 +42,8 @@ _ID_CONTEXT = (
     r"henkil[öo]tunnus|hetu|rijksregister|身份证|account|acct|\biban\b|bank|routing|sort\s+code|"
     r"\bcard\b|\bcc\b|visa|amex|mastercard|\bmbr\b|policy\s+(?:no|number)|customer\s+(?:no|number)|"
     r"member|patient|mrn|\bcurp\b|kimlik|\bcnp\b|\binn\b|\bpps\b|\bnric\b|\bfin\b|\bahv\b|\bavs\b|"
-    r"\brut\b|\brun\b|my\s*number|паспорт|инн|снилс|личн|удостоверени|マイナンバー|個人番号|"
+    r"\brut\b|\brun\b|\brfc\b|\bcnpj\b|\bhkid\b|hong\s+kong\s+id|\bvin\b|vehicle\s+identification|"
+    r"my\s*number|паспорт|инн|снилс|личн|удостоверени|マイナンバー|個人番号|"
     r"住民|주민등록|여권|護照|护照|身分"
 )
 _PHONE_CONTEXT = (
@@ -313,6 +314,20 @@ _CLI_SECRET = re.compile(
     r"(?:\s(?:-u|--user)\s*['\"]?[^\s:'\"]{1,64}:|\bsshpass\s+-p\s*|"
     r"\s--(?:http-|ftp-|db-|admin-)?pass(?:word)?[= ])['\"]?([^\s'\"]{3,})"
 )
+# "password hunter2": no separator at all, so the value must hold a digit ("password field" is prose).
+_SECRET_SPACED = re.compile(
+    r"(?i:\b(?:password|passwd|pwd|passcode|passphrase|passwort|contrase[ñn]a|mot de passe|senha))\s+"
+    r"[\"']?((?=[^\s\"',;)}\]]*\d)[^\s\"',;)}\]]{4,})"
+)
+# A chat user's own account name: "my login is jsmith1984", "my username: k.tanaka".
+_OWN_USERNAME = re.compile(
+    r"(?i:\bmy\s+(?:user\s?name|login|user\s?id|handle|screen\s?name|gamertag|account\s+name)"
+    r"(?:\s+is|\s*[:=]))\s*[\"'@]?([A-Za-z0-9][\w.\-]{2,31})"
+)
+# Webhook URLs carry their secret in the path.
+_WEBHOOK = re.compile(
+    r"hooks\.slack\.com/(?:services|workflows)/([\w/]{16,})|discord(?:app)?\.com/api/webhooks/(\d+/[\w\-]{16,})"
+)
 _AUTH_TUPLE = re.compile(r"auth\s*=\s*\(\s*['\"][^'\"]+['\"]\s*,\s*['\"]([^'\"]{4,})['\"]")
 _NOT_SECRET = {
     "required", "incorrect", "invalid", "wrong", "correct", "strong", "weak", "too", "not", "the", "a",
@@ -354,7 +369,14 @@ def _credentials(text: str, hits: list[Hit], unsure: list[str], regions: list) -
     for rx in (_CLI_PASSWORD, _CLI_SECRET, _AUTH_TUPLE):
         for m in rx.finditer(text):
             hits.append(Hit(m.start(1), m.end(1), "CREDENTIAL"))
-    for m in _SECRET_ASSIGN.finditer(text):
+    for m in _WEBHOOK.finditer(text):
+        g = 1 if m.group(1) else 2
+        hits.append(Hit(m.start(g), m.end(g), "CREDENTIAL"))
+    for m in _OWN_USERNAME.finditer(text):
+        v = m.group(1).rstrip(".")
+        if v.lower() not in _NOT_SECRET and not _PLACEHOLDER.search(v):
+            hits.append(Hit(m.start(1), m.start(1) + len(v), "USERNAME"))
+    for m in (*_SECRET_ASSIGN.finditer(text), *_SECRET_SPACED.finditer(text)):
         v = m.group(1).rstrip(":.!?")
         if v.lower() in _NOT_SECRET or _CODE_VALUE.match(v) or v.startswith(("<", "{", "$", "%", "*")):
             continue

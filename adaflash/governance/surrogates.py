@@ -381,15 +381,16 @@ class Surrogates:
             )
 
         out = re.sub(r"\d+", num, value)
-        return re.sub(
-            r"(?i)\b(" + "|".join(n[:3] for n in _MONTH_NAMES) + r")[a-z]*\.?",
-            lambda m: (
-                self.rng.choice(_MONTH_NAMES)[: len(m.group(0))]
-                if len(m.group(0)) <= 4
-                else self.rng.choice(_MONTH_NAMES)
-            ),
-            out,
-        )
+        # "3rd of July" -> "15th of July", never "15rd".
+        out = re.sub(r"(\d+)(?:st|nd|rd|th)\b", lambda m: _ordinal(int(m.group(1))), out)
+
+        def month_name(m: re.Match) -> str:  # a full name for a full name ("July"), else "Nov" / "Nov."
+            w, fake = m.group(0), self.rng.choice(_MONTH_NAMES)
+            if w.rstrip(".").lower() in {n.lower() for n in _MONTH_NAMES}:
+                return fake
+            return fake[:3] + ("." if w.endswith(".") else "")
+
+        return re.sub(r"(?i)\b(" + "|".join(n[:3] for n in _MONTH_NAMES) + r")[a-z]*\.?", month_name, out)
 
     def _cjk_address(self, value: str) -> str:
         return _cjk_place(self.rng, value)
@@ -403,7 +404,7 @@ class Surrogates:
             if w[:1].isdigit():  # a house number or an ordinal street ("42nd"): no leading zero
                 digits = m.group(1) or w
                 n = self.rng.randrange(10 ** (len(digits) - 1) if len(digits) > 1 else 1, 10 ** len(digits))
-                return f"{n}{_ordinal_suffix(n)}" if m.group(1) else str(n)
+                return _ordinal(n) if m.group(1) else str(n)
             if w.lower().rstrip(".") in _KEEP_WORDS or not w[:1].isupper():
                 return w
             g = _GERMANIC_SUFFIX.search(w)
@@ -416,10 +417,10 @@ class Surrogates:
         return re.sub(r"(\d+)(?:st|nd|rd|th)\b|\d+|[^\W\d_][\w'’]*\.?", word, value)
 
 
-def _ordinal_suffix(n: int) -> str:
-    if 10 <= n % 100 <= 20:
-        return "th"
-    return {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+def _ordinal(n: int) -> str:
+    """21 -> "21st", 12 -> "12th", 103 -> "103rd"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 _BECH32 = "qpzry9x8gf2tvdw0s3jn54khce6mua7l"
