@@ -71,8 +71,14 @@ def test_lossless_greedy_on_heldout_prompts(smollm2_64, bootstrap_drafter):
             assert sum(r.accepted for r in rounds) > 0  # and some were accepted
 
 
-def test_shipped_drafter_beats_prompt_lookup_on_heldout_responses():
-    """Re-measures the model card's claim on the committed held-out greedy responses."""
+def test_shipped_drafter_reproduces_its_model_card_on_heldout_responses():
+    """Re-measures the model card's held-out table on the committed held-out greedy responses: the
+    released fp16 drafter's τ per domain within 0.02 of the card's (measured in training precision),
+    prompt lookup's exactly, and every domain above 1. (It asserted "beats prompt lookup on every
+    domain" until 2026-12-06: issue 34's stretch bar, which no shipped drafter has met - math 1.72
+    against lookup's 2.06 - so `make test-smollm2` failed on a claim no card made.)"""
+    import json
+
     from adaflash.training.blocks import SequencePass
     from adaflash.training.corpus import corpus_path, seed_cache
     from adaflash.training.evaluate import evaluate_acceptance
@@ -93,5 +99,9 @@ def test_shipped_drafter_beats_prompt_lookup_on_heldout_responses():
         bundle.drafter, target.model, [SequencePass(s.tokens, s.features, None) for s in seqs],
         [s.prompt_len for s in seqs], [s.domain for s in seqs], ngram=True,
     )  # fmt: skip
-    for domain in DOMAINS:
-        assert rep[domain]["dflash_tau"] > rep[domain]["ngram_tau"], (domain, rep[domain])
+    card = json.loads((REPO / "drafters" / "smollm2" / "bootstrap_metrics.json").read_text())["heldout"]
+    for domain in (*DOMAINS, "all"):
+        got, want = rep[domain], card[domain]
+        assert got["n_sequences"] == want["n_sequences"], domain
+        assert abs(got["dflash_tau"] - want["dflash_tau"]) <= 0.02 and got["dflash_tau"] > 1.0, (domain, got)
+        assert abs(got["ngram_tau"] - want["ngram_tau"]) <= 1e-3, (domain, got)
