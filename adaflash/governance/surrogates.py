@@ -40,6 +40,7 @@ _MONTH_NAMES = [
     "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
     "November", "December",
 ]  # fmt: skip
+_MONTHS_LOWER = {n.lower() for n in _MONTH_NAMES}  # a full month name is replaced by a full one
 
 
 # Surrogate names come from one of these locales per record (coherent within the record). They
@@ -386,7 +387,7 @@ class Surrogates:
 
         def month_name(m: re.Match) -> str:  # a full name for a full name ("July"), else "Nov" / "Nov."
             w, fake = m.group(0), self.rng.choice(_MONTH_NAMES)
-            if w.rstrip(".").lower() in {n.lower() for n in _MONTH_NAMES}:
+            if w.rstrip(".").lower() in _MONTHS_LOWER:
                 return fake
             return fake[:3] + ("." if w.endswith(".") else "")
 
